@@ -150,3 +150,56 @@ class TensorSharding:
         dims = ", ".join("[" + ",".join(d) + "]" for d in self.dims)
         part = f" partial={{{','.join(self.partial)}}}" if self.partial else ""
         return f"<{dims}{part}>"
+
+
+def shard_tensor(value, sharding: TensorSharding, mesh: MeshShape, partition_id: int):
+    """The padded shard of global tensor ``value`` that device ``partition_id`` holds.
+
+    Args:
+      value: a torch.Tensor of the global shape (any dtype/device).
+      sharding: its sharding; ``partial`` axes are not allowed here (a global
+        value has no pending sum).
+    Returns:
+      A new contiguous tensor of ``sharding.shard_dims(value.shape, mesh)``;
+      padding rows are zero.
+    """
+    import torch
+
+    assert not sharding.partial, "cannot shard a global value as partial"
+    piece = value
+    for dim, (start, stop) in enumerate(sharding.shard_slices(tuple(value.shape), mesh, partition_id)):
+        piece = piece.narrow(dim, start, stop - start)
+    shard_dims = sharding.shard_dims(tuple(value.shape), mesh)
+    if tuple(piece.shape) == shard_dims:
+        return piece.contiguous().clone() if piece.data_ptr() == value.data_ptr() else piece.contiguous()
+    out = torch.zeros(shard_dims, dtype=value.dtype, device=value.device)
+    out[tuple(slice(0, s) for s in piece.shape)] = piece
+    return out
+
+
+def unshard_tensors(shards, sharding: TensorSharding, mesh: MeshShape, global_dims: tuple[int, ...]):
+    """Reassemble a global tensor from per-device padded shards (list indexed by partition id).
+
+    Pieces of devices that hold the same tile are replicas (taken once) unless
+    they differ along a ``partial`` axis, in which case they are summed.
+    Padding is dropped. Returns a tensor on the first shard's device.
+    """
+    import torch
+
+    first = shards[0]
+    out = torch.zeros(global_dims, dtype=first.dtype, device=first.device)
+    seen: set[tuple] = set()
+    for pid, shard in enumerate(shards):
+        coords = mesh.coords(pid)
+        key = tuple(coords[a] for d in sharding.dims for a in d) + tuple(coords[a] for a in sharding.partial)
+        if key in seen:
+            continue
+        seen.add(key)
+        slices = sharding.shard_slices(global_dims, mesh, pid)
+        region = tuple(slice(a, b) for a, b in slices)
+        local = shard[tuple(slice(0, b - a) for a, b in slices)].to(out.device)
+        if sharding.partial:
+            out[region] += local
+        else:
+            out[region] = local
+    return out
