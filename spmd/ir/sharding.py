@@ -171,7 +171,7 @@ def shard_tensor(value, sharding: TensorSharding, mesh: MeshShape, partition_id:
         piece = piece.narrow(dim, start, stop - start)
     shard_dims = sharding.shard_dims(tuple(value.shape), mesh)
     if tuple(piece.shape) == shard_dims:
-        return piece.contiguous().clone() if piece.data_ptr() == value.data_ptr() else piece.contiguous()
+        return piece.clone(memory_format=torch.contiguous_format)
     out = torch.zeros(shard_dims, dtype=value.dtype, device=value.device)
     out[tuple(slice(0, s) for s in piece.shape)] = piece
     return out

@@ -1,0 +1,215 @@
+"""JAX/XLA anchor, one process over the local GPUs: collective matmul (``--bench cm``) and dispatch.
+
+Collective matmul, mesh axis ``"x"`` over tp devices, bf16 (as in shared/ANCHORS.md):
+
+* ``ag``: x ``P("x", None)``, w ``P(None, "x")``, ``jit(x @ w)`` with out ``P(None, "x")``;
+* ``rs``: x ``P(None, "x")``, w ``P("x", None)``, out ``P("x", None)``;
+* limit parts in the same process: ``compute`` = the local GEMM alone (``shard_map``, no
+  communication), ``comm`` = ``all_gather`` resp. ``psum_scatter`` alone (``shard_map``).
+
+Windowed einsum is XLA's, switched on by the parent through ``XLA_FLAGS`` (a separate process):
+the records carry the number of collective-permutes in the compiled HLO so the report can
+show whether the flags took effect. ``--label`` names the source in the records.
+
+JAX has no device events here: a variant's time is the host time of ``reps`` back-to-back calls
+ended by one ``block_until_ready``, divided by ``reps`` (per round; median over interleaved
+rounds). Dispatch (``--bench dispatch``): enqueue-only and synced host time per call of the
+``benchmarks.workloads`` programs written in ``jax.numpy`` with the same shardings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import common
+
+SPECS = {"ag": (("x", None), (None, "x"), (None, "x")), "rs": ((None, "x"), ("x", None), ("x", None))}
+
+
+def _shard_map(f: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable:
+    """``shard_map`` without replication checks, across JAX versions (jax.shard_map or experimental)."""
+    import jax
+
+    sm = getattr(jax, "shard_map", None)
+    if sm is None:
+        from jax.experimental.shard_map import shard_map as sm
+    for kw in ({"check_vma": False}, {"check_rep": False}, {}):
+        try:
+            return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
+        except TypeError:
+            continue
+    raise RuntimeError("shard_map: no known signature accepted")
+
+
+def _batched(fn: Callable[[], Any], k: int) -> Callable[[], None]:
+    def run() -> None:
+        out = None
+        for _ in range(k):
+            out = fn()
+        out.block_until_ready()
+
+    return run
+
+
+def _hlo_counts(compiled_text: str) -> dict[str, int]:
+    return {op: compiled_text.count(f" {op}(") + compiled_text.count(f" {op}-start(")
+            for op in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
+
+
+def cm_side(side: str, shape: tuple[int, int, int], mesh: Any, seed: int, args: argparse.Namespace,
+            label: str) -> None:
+    """Time xla / compute / comm for one side of one shape and emit the records."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m, k, n = shape
+    tp = mesh.devices.size
+    sh = lambda spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    xs, ws, outs = SPECS[side]
+
+    def rand(key, dims, spec, scale):
+        gen = jax.jit(lambda kk: (jax.random.normal(kk, dims, jnp.float32) * scale).astype(jnp.bfloat16),
+                      out_shardings=sh(spec))
+        return gen(key)
+
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x, w = rand(kx, (m, k), xs, 1.0), rand(kw, (k, n), ws, 1.0 / math.sqrt(k))
+    f = jax.jit(lambda a, b: a @ b, out_shardings=sh(outs))
+    counts = _hlo_counts(f.lower(x, w).compile().as_text())
+    ref = jax.jit(lambda a, b: jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
+                                          precision=jax.lax.Precision.HIGHEST), out_shardings=sh(outs))(x, w)
+    got = f(x, w).astype(jnp.float32)
+    rel_err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    del ref, got
+    matmul = lambda a, b: a @ b  # noqa: E731
+    if side == "ag":
+        x_rep = jax.device_put(x, sh((None, None)))
+        compute = jax.jit(_shard_map(matmul, mesh, (P(), P(None, "x")), P(None, "x")))
+        comm = jax.jit(_shard_map(lambda a: jax.lax.all_gather(a, "x", axis=0, tiled=True), mesh, P("x", None), P()))
+        calls = {"compute": lambda: compute(x_rep, w), "comm": lambda: comm(x)}
+    else:
+        compute = jax.jit(_shard_map(matmul, mesh, (P(None, "x"), P("x", None)), P("x", None)))
+        partial = compute(x, w)  # per device [M, N]
+        comm = jax.jit(_shard_map(lambda a: jax.lax.psum_scatter(a, "x", scatter_dimension=0, tiled=True),
+                                  mesh, P("x", None), P("x", None)))
+        calls = {"compute": lambda: compute(x, w), "comm": lambda: comm(partial)}
+    calls["xla"] = lambda: f(x, w)
+    reps = args.reps if 2.0 * m * k * n / tp / 700e12 >= 1e-3 else max(args.reps, 30)
+    variants = {name: _batched(fn, reps) for name, fn in calls.items()}
+    results = common.interleaved(variants, [], rounds=args.rounds, warmup=1, reps=1,
+                                 log=lambda s: print(s, flush=True))
+    for name, r in results.items():
+        rec = {"kind": "cm", "source": label, "side": side, "shape": list(shape), "tp": tp, "variant": name,
+               "ms": None if r.median_ms is None else r.median_ms / reps,
+               "round_ms": [t / reps for t in r.round_ms], "error": r.error}
+        if name == "xla":
+            rec.update({"rel_err": rel_err, "hlo": counts})
+        common.emit(rec)
+    common.emit({"kind": "cm-done", "source": label, "side": side, "shape": list(shape)})
+
+
+def jnp_workloads() -> dict[str, Callable]:
+    """The ``benchmarks.workloads`` programs in ``jax.numpy`` (same math, same argument order)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.workloads import BLOCK_HEADS
+
+    def ln(x):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    def block(x, wq, wk, wv, wo, w1, w2):
+        s, d = x.shape
+        dh = d // BLOCK_HEADS
+        h = ln(x)
+        q, k, v = ((h @ wt).reshape(s, BLOCK_HEADS, dh).transpose(1, 0, 2) for wt in (wq, wk, wv))
+        p = jax.nn.softmax(q @ k.transpose(0, 2, 1) / math.sqrt(dh), axis=-1)
+        x = x + (p @ v).transpose(1, 0, 2).reshape(s, d) @ wo
+        return x + jax.nn.gelu(ln(x) @ w1, approximate=False) @ w2
+
+    return {"add": lambda x, y: x + y, "mlp": lambda x, w1, w2: jax.nn.relu(x @ w1) @ w2, "block": block}
+
+
+def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None:
+    """Host time per call of each workload under ``jax.jit`` with the workloads' shardings."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.workloads import WORKLOADS
+
+    spec = lambda entries: NamedSharding(mesh, P(*[None if e is None else "x" for e in entries]))  # noqa: E731
+    rng = np.random.default_rng(seed)
+    for name, fn in jnp_workloads().items():
+        wl = WORKLOADS[name]
+        try:
+            xs = [jax.device_put((rng.standard_normal(s) / math.sqrt(s[-1])).astype(np.float32), spec(sp))
+                  for s, sp in zip(wl.shapes, wl.specs, strict=True)]
+            f = jax.jit(fn, in_shardings=tuple(spec(sp) for sp in wl.specs), out_shardings=spec(wl.out_spec))
+            last: list[Any] = [f(*xs)]
+
+            def call(f=f, xs=xs, last=last):
+                last[0] = f(*xs)
+
+            enq, syn = common.host_call_times(call, lambda last=last: last[0].block_until_ready(),
+                                              calls=args.calls, rounds=args.rounds)
+            rec = {"enqueue_us": enq, "synced_us": syn, "error": None}
+        except Exception as exc:
+            rec = {"enqueue_us": None, "synced_us": None, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        common.emit({"kind": "dispatch", "source": label, "workload": name, **rec})
+    common.emit({"kind": "dispatch", "source": label, "workload": "minilm", "enqueue_us": None,
+                 "synced_us": None, "error": "not ported to JAX"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; see the module docstring."""
+    common.apply_required_env()
+    from benchmarks.cm_local import build_parser
+
+    ap = build_parser()
+    ap.add_argument("--bench", choices=("cm", "dispatch"), default="cm")
+    ap.add_argument("--label", default="xla")
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args(argv)
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] or jax.devices()
+    tp = args.tp or len(gpus)
+    if tp > len(gpus):
+        raise ValueError(f"--tp: asked for {tp} devices, JAX sees {len(gpus)}")
+    mesh = Mesh(np.array(gpus[:tp]), ("x",))
+    seed = args.seed if args.seed is not None else common.fresh_seed()
+    common.emit({"kind": "meta", "source": args.label, "jax": jax.__version__, "devices": [str(d) for d in gpus[:tp]]})
+    if args.bench == "dispatch":
+        dispatch(mesh, seed, args, args.label)
+        return 0
+    deadline = common.Deadline(args.budget_s)
+    for i, shape in enumerate(args.shapes):
+        if deadline.expired(args.margin_s):
+            common.emit({"kind": "cm-skipped", "source": args.label, "shape": list(shape), "reason": "budget"})
+            continue
+        for side in args.sides:
+            try:
+                cm_side(side, tuple(shape), mesh, seed + 10 * i, args, args.label)
+            except Exception as exc:
+                common.emit({"kind": "cm", "source": args.label, "side": side, "shape": list(shape), "variant": "xla",
+                             "ms": None, "error": f"{type(exc).__name__}: {exc}"[:400]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,556 @@
+"""Shared benchmark helpers: environment, timing, child processes, tables, docs rows, plots.
+
+Timing follows the lent-GPU method (CUDA events around the region, warm-up, many reps, median)
+and interleaves variants over rounds (A B C, A B C, ...) because GPU clocks sink under sustained
+load: whichever variant ran first would otherwise look faster. On several devices, every rep is
+bracketed by an event pair on each device's current stream and the rep's time is the maximum
+over devices. On CPU devices the same helpers fall back to the host clock, so the harness logic
+is testable without GPUs.
+
+torch is imported lazily so that a JAX child process can use this module without loading it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: Environment every benchmark process and child must run with: NVLink multicast stays off in
+#: NCCL, PyTorch and NVSHMEM (it can take a shared host's GPUs out of service), JAX allocates on
+#: demand (so that it can share GPUs with torch), and Python output is unbuffered.
+REQUIRED_ENV: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+#: Prefix of a result line printed by a child process (one JSON object after it).
+JSON_PREFIX = "BENCH_JSON "
+
+
+def apply_required_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set every variable of :data:`REQUIRED_ENV` in ``env`` (default: ``os.environ``).
+
+    Returns the mapping that was updated. Values already set are overwritten: these settings
+    are not optional.
+    """
+    target = os.environ if env is None else env
+    for key, value in REQUIRED_ENV.items():
+        target[key] = value
+    return target  # type: ignore[return-value]
+
+
+def child_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = ()) -> dict[str, str]:
+    """Environment for a child process: this one's, plus ``extra``, minus ``drop``, plus REQUIRED_ENV.
+
+    The repository root is prepended to ``PYTHONPATH`` so children import ``benchmarks`` and
+    ``spmd`` from this checkout.
+    """
+    env = dict(os.environ)
+    for key in drop:
+        env.pop(key, None)
+    env.update(extra or {})
+    old = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + old if old else "")
+    return apply_required_env(env)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Result of timing one variant.
+
+    ``median_ms`` is the median over rounds of each round's median per-rep time (ms), or None
+    when the variant failed (``error`` then says why). ``round_ms`` holds each round's median;
+    ``wall_ms`` the median over rounds of host wall time per rep with one sync per round (a
+    check that the events saw the work: it should not be far above ``median_ms``).
+    """
+
+    name: str
+    median_ms: float | None
+    round_ms: tuple[float, ...] = ()
+    wall_ms: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the variant produced a time."""
+        return self.median_ms is not None and self.error is None
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence; ValueError on an empty one."""
+    if not values:
+        raise ValueError("median: expected at least one value, got none")
+    return float(statistics.median(values))
+
+
+def ratio(value: float | None, limit: float | None) -> float | None:
+    """``value / limit``, or None when either is missing or the limit is not positive."""
+    if value is None or limit is None or not limit > 0:
+        return None
+    return value / limit
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _is_cuda(devices: Sequence[Any]) -> bool:
+    """True when every device is a CUDA device; an empty list (host-only timing) is not."""
+    if not devices or all(str(d).startswith("cpu") for d in devices):
+        return False
+    import torch
+
+    return all(torch.device(d).type == "cuda" for d in devices)
+
+
+def synchronize(devices: Sequence[Any]) -> None:
+    """Wait for all work on every CUDA device in ``devices`` (no-op for CPU devices)."""
+    import torch
+
+    for d in devices:
+        dev = torch.device(d)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+
+def time_reps(fn: Callable[[], Any], devices: Sequence[Any], reps: int) -> tuple[list[float], float]:
+    """Time ``reps`` back-to-back calls of ``fn``; returns (per-rep ms, host wall ms per rep).
+
+    On CUDA devices each rep is bracketed by events recorded on every device's current stream;
+    the rep's time is the maximum over devices. Work that ``fn`` issues on other streams is
+    counted only if it is joined back into the current stream before ``fn`` returns. On CPU
+    devices the per-rep time is the host clock around the call.
+    """
+    if reps < 1:
+        raise ValueError(f"time_reps: reps must be >= 1, got {reps}")
+    if not _is_cuda(devices):
+        per_rep = []
+        t_all = time.perf_counter()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            per_rep.append((time.perf_counter() - t0) * 1e3)
+        return per_rep, (time.perf_counter() - t_all) * 1e3 / reps
+    import torch
+
+    devs = [torch.device(d) for d in devices]
+    streams = [torch.cuda.current_stream(d) for d in devs]
+    pairs = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in devs]
+             for _ in range(reps)]
+    synchronize(devs)
+    t_all = time.perf_counter()
+    for r in range(reps):
+        for (start, _), stream in zip(pairs[r], streams, strict=True):
+            start.record(stream)
+        fn()
+        for (_, end), stream in zip(pairs[r], streams, strict=True):
+            end.record(stream)
+    synchronize(devs)
+    wall = (time.perf_counter() - t_all) * 1e3 / reps
+    per_rep = [max(start.elapsed_time(end) for start, end in row) for row in pairs]
+    return per_rep, wall
+
+
+def interleaved(variants: Mapping[str, Callable[[], Any]], devices: Sequence[Any], *, rounds: int = 5,
+                warmup: int = 2, reps: int = 10, log: Callable[[str], None] | None = None,
+                combine: Callable[[list[float]], list[float]] | None = None) -> dict[str, Measurement]:
+    """Time every variant in interleaved rounds (A B C, A B C, ...); median of round medians.
+
+    Each round runs, for every variant in order, ``warmup`` untimed calls then ``reps`` timed
+    ones. A variant that raises is recorded with its error and skipped in later rounds; the
+    others go on. ``combine`` maps the per-rep times (ms) before the median is taken: a
+    multi-process run passes an element-wise maximum over ranks there. Returns one
+    :class:`Measurement` per variant name, in input order.
+    """
+    if rounds < 1 or reps < 1 or warmup < 0:
+        raise ValueError(f"interleaved: expected rounds>=1, reps>=1, warmup>=0, got {rounds}, {reps}, {warmup}")
+    per_round: dict[str, list[float]] = {name: [] for name in variants}
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    errors: dict[str, str] = {}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            if name in errors:
+                continue
+            try:
+                for _ in range(warmup):
+                    fn()
+                times, wall = time_reps(fn, devices, reps)
+                if combine is not None:
+                    times = combine(times)
+            except Exception as exc:  # one variant's failure must not stop the others
+                errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+                if log:
+                    log(f"variant {name} failed: {errors[name]}")
+                continue
+            per_round[name].append(median(times))
+            walls[name].append(wall)
+    out = {}
+    for name in variants:
+        if name in errors or not per_round[name]:
+            out[name] = Measurement(name, None, tuple(per_round[name]), None, errors.get(name, "no rounds"))
+        else:
+            out[name] = Measurement(name, median(per_round[name]), tuple(per_round[name]), median(walls[name]))
+    return out
+
+
+def host_call_times(fn: Callable[[], Any], sync: Callable[[], None], *, calls: int = 200,
+                    rounds: int = 5, warmup: int = 20) -> tuple[float, float]:
+    """Host cost of one call of ``fn`` in µs: (enqueue-only, synced), each a median over rounds.
+
+    Enqueue-only: ``calls`` calls back to back with no sync, host time divided by ``calls``,
+    then one ``sync()`` outside the timed region. Synced: per call, ``fn(); sync()`` timed on
+    the host clock; median over the calls of a round.
+    """
+    if calls < 1 or rounds < 1:
+        raise ValueError(f"host_call_times: expected calls>=1, rounds>=1, got {calls}, {rounds}")
+    for _ in range(warmup):
+        fn()
+    sync()
+    enqueue, synced = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        enqueue.append((time.perf_counter() - t0) * 1e6 / calls)
+        sync()
+        per_call = []
+        for _ in range(max(1, calls // 4)):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            per_call.append((time.perf_counter() - t0) * 1e6)
+        synced.append(median(per_call))
+    return median(enqueue), median(synced)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def fresh_seed() -> int:
+    """A fresh random 31-bit seed (from the OS), so that every run sees new inputs."""
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def fresh_randn(shape: Sequence[int], dtype: Any, device: Any, seed: int, scale: float | None = None) -> Any:
+    """Standard-normal tensor of ``shape`` scaled by ``scale`` (default ``1/sqrt(shape[-1])``).
+
+    Drawn on ``device`` from a generator seeded with ``seed``; never all zeros (ValueError if a
+    zero-size shape is asked for). The default scale keeps matmul outputs O(1) in bf16.
+    """
+    import torch
+
+    if any(int(s) <= 0 for s in shape):
+        raise ValueError(f"fresh_randn: shape must have positive dims, got {tuple(shape)}")
+    device = torch.device(device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    out = torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32)
+    out *= scale if scale is not None else 1.0 / math.sqrt(shape[-1])
+    return out.to(dtype)
+
+
+def rel_error(out: Any, ref: Any) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius, computed in float64 on ``ref``'s device).
+
+    Returns ``inf`` if the result has NaN/inf or ``ref`` is zero; ValueError on shape mismatch.
+    """
+    if tuple(out.shape) != tuple(ref.shape):
+        raise ValueError(f"rel_error: shape mismatch, out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
+    o = out.to(device=ref.device).double()
+    r = ref.double()
+    den = float(r.norm())
+    num = float((o - r).norm())
+    if not math.isfinite(num) or den == 0.0:
+        return math.inf
+    return num / den
+
+
+# ----------------------------------------------------------------------------- child processes
+
+
+def emit(record: Mapping[str, Any]) -> None:
+    """Print one result record as a JSON line that :func:`parse_records` picks up."""
+    print(JSON_PREFIX + json.dumps(record, default=str), flush=True)
+
+
+def parse_records(text: str) -> list[dict[str, Any]]:
+    """All JSON records printed by :func:`emit` in ``text``; malformed lines are skipped."""
+    records = []
+    for line in text.splitlines():
+        if line.startswith(JSON_PREFIX):
+            try:
+                records.append(json.loads(line[len(JSON_PREFIX):]))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+@dataclass(frozen=True)
+class ChildResult:
+    """Outcome of a child process: its records, exit code (None on timeout) and output tail."""
+
+    name: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    returncode: int | None = None
+    timed_out: bool = False
+    elapsed_s: float = 0.0
+    tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the child exited with status 0 inside its time box."""
+        return self.returncode == 0 and not self.timed_out
+
+
+class Terminated(Exception):
+    """Raised in the main thread on SIGTERM once :func:`install_sigterm_handler` ran."""
+
+
+_TERMINATED: list[bool] = [False]
+
+
+def install_sigterm_handler() -> None:
+    """Turn SIGTERM (e.g. from ``timeout``) into :class:`Terminated`, so partial results get written.
+
+    :func:`run_child` catches it, kills the child's process group and returns what it has;
+    :func:`terminated` then stays True so the caller can skip the remaining children.
+    """
+    def handler(signum, frame):
+        _TERMINATED[0] = True
+        raise Terminated(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def terminated() -> bool:
+    """True once SIGTERM arrived (see :func:`install_sigterm_handler`)."""
+    return _TERMINATED[0]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the child's process group, then SIGKILL it if it is still there after 5 s."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_child(name: str, cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,
+              log: Callable[[str], None] | None = None, cwd: Path = REPO_ROOT) -> ChildResult:
+    """Run ``cmd`` in its own process group with a time box, streaming its output; never raises.
+
+    Output lines that are not records are passed to ``log`` prefixed with ``[name]`` as they
+    come. On timeout (or SIGTERM, see :func:`install_sigterm_handler`) the whole process group
+    (torchrun's workers too) is killed and the records printed so far are still returned.
+    """
+    log = log or (lambda s: print(s, flush=True))
+    env = dict(env) if env is not None else child_env()
+    if timeout_s <= 1 or terminated():
+        return ChildResult(name, [], None, True, 0.0, "not started: no time left")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.Popen(list(cmd), cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", bufsize=1, start_new_session=True)
+    except OSError as exc:
+        return ChildResult(name, [], None, False, 0.0, f"could not start: {exc}")
+    lines: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if not line.startswith(JSON_PREFIX):
+                log(f"[{name}] {line.rstrip()}")
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except (subprocess.TimeoutExpired, Terminated):
+        timed_out = True
+        _kill_group(proc)
+    reader.join(timeout=5.0)
+    text = "".join(lines)
+    elapsed = time.perf_counter() - t0
+    rc = None if timed_out else proc.returncode
+    log(f"[{name}] {'timed out' if timed_out else f'exit {rc}'} after {elapsed:.1f} s")
+    return ChildResult(name, parse_records(text), rc, timed_out, elapsed, text[-4000:])
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def hardware_info() -> dict[str, Any]:
+    """GPU name and count, and torch / CUDA / NCCL / JAX versions (JAX read from metadata only)."""
+    from importlib import metadata
+
+    info: dict[str, Any] = {"host": platform.node(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        info["gpu_count"] = n
+        info["gpu"] = torch.cuda.get_device_name(0) if n else "none"
+        try:
+            info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version()) if n else None
+        except Exception:
+            info["nccl"] = None
+    except ImportError:
+        info["torch"] = None
+    for pkg in ("jax", "jaxlib"):
+        try:
+            info[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            info[pkg] = None
+    return info
+
+
+def hardware_line(info: Mapping[str, Any]) -> str:
+    """One-line hardware / software summary for a docs row set."""
+    return (f"{info.get('gpu_count', 0)}× {info.get('gpu', '?')}; torch {info.get('torch')}, "
+            f"CUDA {info.get('cuda')}, NCCL {info.get('nccl')}, JAX {info.get('jax')}, "
+            f"Python {info.get('python')}")
+
+
+def fmt_ms(value: float | None) -> str:
+    """Milliseconds with 3 significant decimals, or ``n/a``."""
+    return "n/a" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.2f}")
+
+
+def fmt_ratio(value: float | None) -> str:
+    """A ratio as ``×1.23``, or ``n/a``."""
+    return "n/a" if value is None else f"×{value:.2f}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """GitHub markdown table; ValueError if a row's width differs from the header's."""
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"markdown_table: row has {len(row)} cells, expected {len(headers)}: {row}")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print a table with rich (wide console, no wrapping); plain markdown if rich is missing."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(f"\n{title}\n{markdown_table(headers, rows)}", flush=True)
+        return
+    table = Table(title=title, show_lines=False)
+    for h in headers:
+        table.add_column(h, no_wrap=True)
+    for row in rows:
+        table.add_row(*[str(c) for c in row])
+    Console(width=250, force_terminal=False).print(table)
+    sys.stdout.flush()
+
+
+DOC_HEADER = "# Benchmarks\n\nRow sets are appended by the benchmark scripts, newest last.\n"
+
+
+def append_row_set(doc_path: Path, title: str, info: Mapping[str, Any], body: str,
+                   when: _dt.datetime | None = None) -> str:
+    """Append a dated section (``## <date> — title``, hardware line, ``body``) to ``doc_path``.
+
+    Creates the file with a header if it does not exist. Returns the appended text.
+    """
+    when = when or _dt.datetime.now()
+    text = f"\n## {when:%Y-%m-%d %H:%M} — {title}\n\nHardware: {hardware_line(info)}.\n\n{body.rstrip()}\n"
+    doc_path = Path(doc_path)
+    doc_path.parent.mkdir(parents=True, exist_ok=True)
+    if not doc_path.exists():
+        doc_path.write_text(DOC_HEADER)
+    with doc_path.open("a") as fh:
+        fh.write(text)
+    return text
+
+
+def plot_grouped_bars(paths: Sequence[Path], panels: Sequence[tuple[str, list[str], dict[str, list[float | None]]]],
+                      ylabel: str = "× limit") -> list[Path]:
+    """Save one PNG (to every path) with one bar-chart panel per ``(title, groups, series)``.
+
+    ``series`` maps a variant name to one value per group (None = missing, drawn as no bar).
+    A dashed line marks 1.0. Returns the paths written; [] if matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 4.5 * len(panels)), squeeze=False)
+    for ax, (title, groups, series) in zip(axes[:, 0], panels, strict=True):
+        width = 0.8 / max(1, len(series))
+        for i, (name, values) in enumerate(series.items()):
+            xs = [g + i * width for g, v in enumerate(values) if v is not None]
+            ys = [v for v in values if v is not None]
+            ax.bar(xs, ys, width=width, label=name)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    written = []
+    for path in paths:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        written.append(Path(path))
+    plt.close(fig)
+    return written
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON to ``path`` (parents created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+class Deadline:
+    """A wall-clock deadline: ``left()`` seconds remain; ``expired(margin_s)`` once inside margin."""
+
+    def __init__(self, budget_s: float):
+        self.end = time.monotonic() + budget_s
+
+    def left(self) -> float:
+        """Seconds until the deadline (may be negative)."""
+        return self.end - time.monotonic()
+
+    def expired(self, margin_s: float = 0.0) -> bool:
+        """True when fewer than ``margin_s`` seconds remain."""
+        return self.left() < margin_s

@@ -1,0 +1,250 @@
+"""Dispatch benchmark: host time per call of small sharded programs (spmd vs JAX vs PyTorch eager).
+
+Usage (repository root)::
+
+    python3 -m benchmarks.dispatch --tp 2 --out $OUT --budget-s 150
+
+Workloads (``benchmarks.workloads``): a tiny sharded add ([1024] f32 split over all devices), a
+2-layer sharded MLP, one transformer block, and MiniLM from ``spmd.models``. Per workload and
+variant: **enqueue-only** (host time of a call with no sync, averaged over many calls, one sync
+at the end) and **synced** (call + synchronize, median), both µs. Variants, each in its own
+time-boxed child process:
+
+* ``torch eager``: plain PyTorch on one GPU (``benchmarks.anchors.torch_eager``);
+* ``spmd eager`` / ``spmd graphs``: ``spmd.jit`` over all ``tp`` devices with
+  ``CompileOptions(cuda_graphs=False / True)`` (this file's ``--worker`` mode);
+* ``jax``: ``jax.jit`` with the same shardings (``benchmarks.anchors.jax_xla --bench dispatch``).
+
+A variant that fails is logged and shown as n/a. Output: a printed table,
+``dispatch_results.json`` in ``--out`` and, with ``--doc``, a row set in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common
+
+WORKLOAD_NAMES = ("add", "mlp", "block", "minilm")
+SOURCES = {"torch-eager": "torch eager (1 GPU)", "spmd-eager": "spmd eager", "spmd-graphs": "spmd graphs",
+           "jax": "JAX jit"}
+SHARES = {"torch-eager": 0.25, "spmd": 0.6, "jax": 1.0}
+STARTUP_S = 20.0
+
+
+def measure(source: str, workload: str, fn: Callable[[], Any], sync: Callable[[], None],
+            args: argparse.Namespace, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Time ``fn`` with :func:`common.host_call_times`, emit and return a record; never raises."""
+    try:
+        enq, syn = common.host_call_times(fn, sync, calls=args.calls, rounds=args.rounds)
+        rec = {"enqueue_us": enq, "synced_us": syn, "error": None}
+    except Exception as exc:  # one failure costs one cell
+        rec = {"enqueue_us": None, "synced_us": None, "error": f"{type(exc).__name__}: {exc}"[:400]}
+    rec = {"kind": "dispatch", "source": source, "workload": workload, **rec, **(extra or {})}
+    common.emit(rec)
+    return rec
+
+
+def fail(source: str, workload: str, exc: BaseException) -> dict[str, Any]:
+    """Emit and return the n/a record of a variant that could not be set up."""
+    rec = {"kind": "dispatch", "source": source, "workload": workload, "enqueue_us": None, "synced_us": None,
+           "error": f"{type(exc).__name__}: {exc}"[:400]}
+    common.emit(rec)
+    return rec
+
+
+def spmd_cases(spmd: Any, mesh: Any, device: Any, seed: int) -> dict[str, Callable[[], tuple]]:
+    """Per workload, a builder of (fn, args, in_shardings, out_shardings, reference output)."""
+    import torch
+
+    from benchmarks.workloads import WORKLOADS, make_inputs, minilm_case
+
+    P = spmd.PartitionSpec
+
+    def simple(wl):
+        def build():
+            xs = make_inputs(wl, device, seed)
+            with torch.no_grad():
+                ref = wl.fn(*xs)
+            return wl.fn, xs, tuple(P(*s) for s in wl.specs), P(*wl.out_spec), ref
+        return build
+
+    def minilm():
+        case = minilm_case(device, seed, mesh=mesh)
+        with torch.no_grad():
+            ref = case.fn(case.params, case.input_ids, case.attention_mask)
+        return (case.fn, [case.params, case.input_ids, case.attention_mask], (case.param_specs, P(), P()), P(), ref)
+
+    return {**{name: simple(wl) for name, wl in WORKLOADS.items()}, "minilm": minilm}
+
+
+def _place(spmd: Any, mesh: Any, value: Any, spec: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _place(spmd, mesh, v, spec[k] if isinstance(spec, dict) else spec) for k, v in value.items()}
+    return spmd.device_put(value, spmd.NamedSharding(mesh, spec))
+
+
+def spmd_worker(args: argparse.Namespace) -> None:
+    """Measure spmd eager and spmd with CUDA graphs on every workload (records emitted)."""
+    import torch
+
+    from benchmarks.cm_local import make_mesh, resolve_devices
+
+    seed = args.seed if args.seed is not None else common.fresh_seed()
+    devices = resolve_devices(args.device, args.tp)
+    try:
+        import spmd
+
+        mesh = make_mesh(spmd, devices)
+        cases = spmd_cases(spmd, mesh, devices[0], seed)
+    except Exception as exc:
+        for wl in args.workloads:
+            for src in ("spmd-eager", "spmd-graphs"):
+                fail(src, wl, exc)
+        return
+    sync = lambda: common.synchronize(devices)  # noqa: E731
+    for wl in args.workloads:
+        try:
+            fn, xs, in_sh, out_sh, ref = cases[wl]()
+            placed = [_place(spmd, mesh, x, s) for x, s in zip(xs, in_sh, strict=True)]
+        except Exception as exc:
+            for src in ("spmd-eager", "spmd-graphs"):
+                fail(src, wl, exc)
+            continue
+        for src, graphs in (("spmd-eager", False), ("spmd-graphs", True)):
+            try:
+                f = spmd.jit(fn, mesh=mesh, in_shardings=in_sh, out_shardings=out_sh,
+                             options=spmd.CompileOptions(cuda_graphs=graphs))
+                out = f(*placed)
+                sync()
+                extra = {"rel_err": common.rel_error(out.to_torch().float(), ref.float())}
+            except Exception as exc:
+                fail(src, wl, exc)
+                continue
+            measure(src, wl, lambda f=f, a=placed: f(*a), sync, args, extra)
+        del placed
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[list[dict], list[dict]]:
+    """Run torch eager, spmd and JAX children in turn, each time-boxed; returns (records, status)."""
+    py = sys.executable
+    base = ["--tp", str(args.tp), "--calls", str(args.calls), "--rounds", str(args.rounds),
+            "--device", args.device, "--workloads", ",".join(args.workloads)]
+    cmds = {
+        "torch-eager": [py, "-m", "benchmarks.anchors.torch_eager", *base],
+        "spmd": [py, "-m", "benchmarks.dispatch", "--worker", *base],
+        "jax": [py, "-m", "benchmarks.anchors.jax_xla", "--bench", "dispatch", "--label", "jax",
+                "--tp", str(args.tp), "--calls", str(args.calls), "--rounds", str(args.rounds)],
+    }
+    records, status = [], []
+    for name in [n for n in SHARES if n not in args.skip]:
+        if common.terminated():
+            break
+        box = max(0.0, (deadline.left() - args.reserve_s) * SHARES[name])
+        res = common.run_child(name, cmds[name], box, common.child_env(drop=["XLA_FLAGS"]))
+        records += res.records
+        status.append({"name": name, "ok": res.ok, "returncode": res.returncode, "timed_out": res.timed_out,
+                       "elapsed_s": round(res.elapsed_s, 1), "tail": "" if res.ok else res.tail[-1500:]})
+    return records, status
+
+
+def table(records: Sequence[dict], workloads: Sequence[str]) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows: one row per workload, per source a cell ``enqueue / synced`` µs."""
+    idx = {(r.get("source"), r.get("workload")): r for r in records if r.get("kind") == "dispatch"}
+    sources = [s for s in SOURCES if any((s, w) in idx for w in workloads)]
+    headers = ["workload", *[f"{SOURCES[s]} enq / sync µs" for s in sources]]
+    rows = []
+    for w in workloads:
+        row = [w]
+        for s in sources:
+            r = idx.get((s, w), {})
+            enq, syn = r.get("enqueue_us"), r.get("synced_us")
+            row.append("n/a" if enq is None or syn is None else f"{enq:.1f} / {syn:.1f}")
+        rows.append(row)
+    return headers, rows
+
+
+def report(records: list[dict], status: list[dict], args: argparse.Namespace, info: dict[str, Any]) -> None:
+    """Print the table and notes, write dispatch_results.json, append the docs row set."""
+    headers, rows = table(records, args.workloads)
+    title = f"dispatch, tp={args.tp}: host µs per call, enqueue-only / synced"
+    common.print_table(title, headers, rows)
+    lines = [_note(r) for r in records
+             if r.get("kind") == "dispatch" and (r.get("error") or r.get("rel_err") is not None)]
+    for line in lines:
+        print("  " + line)
+    common.write_json(Path(args.out) / "dispatch_results.json",
+                      {"info": info, "args": vars(args), "children": status, "records": records})
+    if args.doc:
+        body = (f"### {title}\n\n{common.markdown_table(headers, rows)}\n\n"
+                + "\n".join(f"- {line}" for line in lines))
+        common.append_row_set(Path(args.doc), f"dispatch, tp={args.tp}", info, body)
+
+
+def _note(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return f"{r['source']}/{r['workload']}: n/a: {r['error'][:200]}"
+    return f"{r['source']}/{r['workload']}: rel. error vs torch float32 {r['rel_err']:.1e}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of the parent and of the ``--worker`` child."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help="run the spmd measurements in this process")
+    ap.add_argument("--tp", type=int, default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=list(WORKLOAD_NAMES))
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--reserve-s", type=float, default=10.0)
+    ap.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[])
+    ap.add_argument("--out", default="/tmp/spmd_bench_out")
+    ap.add_argument("--doc", default=None)
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse and check options; ValueError on unknown workloads or children."""
+    import torch
+
+    args = build_parser().parse_args(argv)
+    if args.tp is None:
+        args.tp = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
+    bad = [w for w in args.workloads if w not in WORKLOAD_NAMES]
+    if bad:
+        raise ValueError(f"--workloads: expected a subset of {WORKLOAD_NAMES}, got {bad}")
+    bad = [s for s in args.skip if s not in SHARES]
+    if bad:
+        raise ValueError(f"--skip: expected names from {list(SHARES)}, got {bad}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parent (default) or spmd worker (``--worker``)."""
+    common.apply_required_env()
+    args = parse_args(argv)
+    if args.worker:
+        spmd_worker(args)
+        return 0
+    deadline = common.Deadline(args.budget_s)
+    common.install_sigterm_handler()
+    info = common.hardware_info()
+    print(f"dispatch: tp={args.tp} workloads={args.workloads} budget={args.budget_s}s", flush=True)
+    records, status = run_children(args, deadline)
+    report(records, status, args, info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

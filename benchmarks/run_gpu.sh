@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The one script that runs spmd's GPU tests and benchmarks on a lent GPU machine.
+#
+# Usage (from anywhere; it cds to the repository root):
+#   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | cm | dispatch | all (default: all)
+# Environment knobs:
+#   OUT=dir          where logs/results go (default /tmp/spmd_bench_out); at most 6 files are written there:
+#                    run.log, gpu_tests.log, cm_results.json, benchmarks_collective_matmul.png,
+#                    dispatch_results.json, benchmarks.md (docs/benchmarks.md with the new row sets)
+#   BUDGET_S=560     wall-clock seconds for all selected stages together (one device call is <= 600 s)
+#   TP=N             GPUs to use (default: all visible)
+#   CM_ARGS=...      extra options for benchmarks/collective_matmul.py (e.g. "--shapes 4096,4096,4096")
+#   DISPATCH_ARGS=.. extra options for benchmarks/dispatch.py
+#   PYTEST_ARGS=...  extra options for pytest (e.g. "-k windowed")
+#   INSTALL=1        `pip install --no-deps --no-build-isolation -e .` first (default: PYTHONPATH only)
+# Every stage runs under `timeout`; a failing stage is logged and the next one still runs.
+# The summary table is printed last.
+
+set -u -o pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+unset XLA_FLAGS
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO" || exit 2
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/spmd_bench_out}"
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+BUDGET_S="${BUDGET_S:-560}"
+TP_ARG=()
+[ -n "${TP:-}" ] && TP_ARG=(--tp "$TP")
+exec > >(tee -a "$LOG") 2>&1
+TEE_PID=$!
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(all)
+selected=()
+for s in "${stages[@]}"; do
+  case "$s" in
+    all) selected+=(tests cm dispatch) ;;
+    env|tests|cm|dispatch) selected+=("$s") ;;
+    *) echo "unknown stage '$s': expected env, tests, cm, dispatch or all"; exit 2 ;;
+  esac
+done
+
+declare -A WEIGHT=([tests]=2 [cm]=6 [dispatch]=2)
+declare -A RESULT=()
+START=$SECONDS
+
+# Seconds for stage $1: its weight's share of the budget left, over the stages still to run.
+stage_budget() {
+  local left=$(( BUDGET_S - (SECONDS - START) - 10 )) total=0 s seen=0
+  for s in "${selected[@]}"; do
+    [ "$s" = "$1" ] && seen=1
+    [ $seen -eq 1 ] && total=$(( total + ${WEIGHT[$s]:-0} ))
+  done
+  [ $total -eq 0 ] && { echo 0; return; }
+  local b=$(( left * ${WEIGHT[$1]} / total ))
+  [ $b -lt 0 ] && b=0
+  echo $b
+}
+
+run_stage() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS rc
+  echo "=== stage $name: ${secs}s box: $*"
+  if [ "$secs" -lt 20 ]; then
+    echo "=== stage $name skipped: no time left"; RESULT[$name]="skipped"; return
+  fi
+  timeout --signal=TERM --kill-after=10 "$secs" "$@"
+  rc=$?
+  RESULT[$name]="rc=$rc $(( SECONDS - t0 ))s$([ $rc -eq 124 ] && echo ' TIMEOUT')"
+  echo "=== stage $name: ${RESULT[$name]}"
+}
+
+env_stage() {
+  echo "=== env $(date -u +%FT%TZ)"
+  timeout 20 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv || echo "nvidia-smi failed"
+  timeout 20 nvidia-smi topo -m || true
+  echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST" \
+       "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS XLA_PYTHON_CLIENT_PREALLOCATE=$XLA_PYTHON_CLIENT_PREALLOCATE"
+  timeout 60 python3 -c 'from benchmarks.common import hardware_info; print(hardware_info())' || echo "version probe failed"
+  if [ "${INSTALL:-0}" = 1 ]; then
+    timeout 90 python3 -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 \
+      && echo "pip install -e . ok" || echo "pip install -e . failed; using PYTHONPATH=$REPO"
+  else
+    echo "using PYTHONPATH=$REPO (INSTALL=1 to pip install -e . first)"
+  fi
+}
+
+tests_stage() {
+  local secs=$1 extra=()
+  python3 -c 'import pytest_timeout' 2>/dev/null && extra=(--timeout=120)
+  # shellcheck disable=SC2086
+  run_stage tests "$secs" python3 -m pytest -m "gpu and not slow" -q -p no:cacheprovider "${extra[@]}" \
+    ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
+  tail -n 40 "$OUT/gpu_tests.log"
+}
+
+env_stage
+for s in "${selected[@]}"; do
+  secs=$(stage_budget "$s")
+  case "$s" in
+    env) ;;
+    tests) tests_stage "$secs" ;;
+    # shellcheck disable=SC2086
+    cm) run_stage cm "$secs" python3 -m benchmarks.collective_matmul "${TP_ARG[@]}" --out "$OUT" \
+          --doc docs/benchmarks.md --budget-s $(( secs - 15 )) ${CM_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    dispatch) run_stage dispatch "$secs" python3 -m benchmarks.dispatch "${TP_ARG[@]}" --out "$OUT" \
+          --doc docs/benchmarks.md --budget-s $(( secs - 10 )) ${DISPATCH_ARGS:-} ;;
+  esac
+done
+
+[ -f docs/benchmarks.md ] && cp docs/benchmarks.md "$OUT/benchmarks.md"
+echo "=== summary ($(( SECONDS - START ))s total)"
+for s in "${selected[@]}"; do [ "$s" != env ] && echo "stage $s: ${RESULT[$s]:-not run}"; done
+timeout 30 python3 -m benchmarks.summarize "$OUT" || echo "summary failed"
+exec >&- 2>&-
+wait "$TEE_PID" 2>/dev/null || true

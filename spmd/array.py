@@ -1,0 +1,317 @@
+"""``ShardedArray``: a global array laid out over the devices of a mesh.
+
+The analogue of ``jax.Array`` / IFRT's ``Array``: a global ``shape`` and
+``dtype``, a ``NamedSharding``, and one **padded** buffer per device of the
+mesh, indexed by partition id. A dim of size ``n`` split ``k`` ways has
+``ceil(n / k)`` rows in every buffer; rows past the end of the global dim are
+padding with unspecified contents (``device_put`` and ``from_shards`` fill
+them with zeros, compiled programs may leave anything there).
+
+With a ``partial`` sharding, the global value is the sum of the buffers over
+the partial axes (``device_put`` puts the value on the first device of each
+partial group and zeros on the others).
+
+Ownership: an array owns its buffers. ``delete()`` frees them, and donating an
+array to an executable (``spmd.jit(..., donate_argnums=...)``) kills it: any
+later use raises ``DeletedArrayError`` saying why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spmd.ir.hlo import hlo_dtype
+from spmd.ir.sharding import unshard_tensors
+from spmd.sharding import NamedSharding
+
+
+class DeletedArrayError(ValueError):
+    """Use of a ``ShardedArray`` after ``delete()`` or after it was donated."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One device's piece of a ``ShardedArray``.
+
+    Fields:
+      device: the torch device holding it.
+      index: per dim, the ``slice`` of the global array it covers.
+      data: the unpadded piece, a **view** of the array's buffer (it aliases
+        the array: mutate it only if you own the array and it is not donated;
+        for a partial sharding it is the device's addend, not the global value).
+      partition_id: the device's partition id in the mesh.
+    """
+
+    device: torch.device
+    index: tuple[slice, ...]
+    data: torch.Tensor
+    partition_id: int
+
+
+class ShardedArray:
+    """A global array of ``shape`` and ``dtype`` split over a mesh as ``sharding``.
+
+    Create one with ``spmd.device_put`` or ``ShardedArray.from_shards``; a
+    compiled program returns them. ``_buffers[pid]`` is the padded buffer of
+    partition ``pid`` (on ``sharding.mesh.devices[pid]``); ``_ready_events``
+    holds per-device ``torch.cuda.Event``s (or None) recorded by the runtime
+    after asynchronous dispatch.
+    """
+
+    __slots__ = ("_buffers", "_sharding", "_shape", "_dtype", "_ready_events", "_deleted_reason")
+
+    @classmethod
+    def _from_buffers(cls, buffers, sharding: NamedSharding, shape, dtype: torch.dtype, ready_events=None):
+        """Wrap padded per-partition ``buffers`` without any check (runtime hot path)."""
+        self = object.__new__(cls)
+        self._buffers = buffers
+        self._sharding = sharding
+        self._shape = shape if type(shape) is torch.Size else torch.Size(shape)
+        self._dtype = dtype
+        self._ready_events = ready_events
+        self._deleted_reason = None
+        return self
+
+    # ------------------------------------------------------------ metadata
+
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape."""
+        return self._shape
+
+    global_shape = shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The element type (a torch dtype)."""
+        return self._dtype
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """How the array is laid out over its mesh."""
+        return self._sharding
+
+    @property
+    def mesh(self):
+        """The mesh of ``sharding``."""
+        return self._sharding.mesh
+
+    @property
+    def ndim(self) -> int:
+        """Number of global dims."""
+        return len(self._shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the global value (not counting replicas or padding)."""
+        return math.prod(self._shape) * self._dtype.itemsize
+
+    @property
+    def addressable_devices(self) -> tuple[torch.device, ...]:
+        """Per partition id, the device of its buffer."""
+        return self._sharding.mesh.devices
+
+    @property
+    def is_deleted(self) -> bool:
+        """True after ``delete()`` or donation."""
+        return self._deleted_reason is not None
+
+    def _type_text(self) -> str:
+        """``f32[8,32]``."""
+        try:
+            dt = hlo_dtype(self._dtype)
+        except TypeError:
+            dt = str(self._dtype)
+        return f"{dt}[{','.join(map(str, self._shape))}]"
+
+    def __repr__(self) -> str:
+        dead = f", {self._deleted_reason}" if self._deleted_reason else ""
+        return f"ShardedArray({self._type_text()}, {self._sharding!r}{dead})"
+
+    # ------------------------------------------------------------ lifetime
+
+    def _check_alive(self, what: str = "array") -> None:
+        """Raise DeletedArrayError naming ``what`` if the array was deleted or donated."""
+        if self._deleted_reason is not None:
+            raise DeletedArrayError(
+                f"{what}: the ShardedArray {self._type_text()} was {self._deleted_reason} and can no longer be "
+                f"used; expected a live array"
+            )
+
+    def delete(self, reason: str = "deleted") -> None:
+        """Free the buffers; any later use raises ``DeletedArrayError`` quoting ``reason``.
+
+        The runtime passes ``reason="donated to <executable name>"`` after a
+        donating call. Deleting twice is allowed (the first reason is kept).
+        """
+        if self._deleted_reason is None:
+            self._deleted_reason = reason
+            self._buffers = None
+            self._ready_events = None
+
+    def block_until_ready(self) -> ShardedArray:
+        """Wait until every buffer's value is computed; returns ``self``.
+
+        Per device: waits on the runtime's ready event where one is set, else
+        synchronizes the CUDA device (nothing to wait for on CPU devices).
+        Raises DeletedArrayError for a deleted or donated array.
+        """
+        self._check_alive("block_until_ready")
+        mesh = self._sharding.mesh
+        events = self._ready_events or (None,) * mesh.num_devices
+        for index, event in zip(mesh.device_ids, events, strict=True):
+            if event is not None:
+                event.synchronize()
+            elif mesh.platform == "cuda":
+                torch.cuda.synchronize(index)
+        return self
+
+    # ------------------------------------------------------------ contents
+
+    def _tensor_sharding(self):
+        return self._sharding.to_tensor_sharding(len(self._shape))
+
+    def to_torch(self) -> torch.Tensor:
+        """The global value as a new tensor **on the CPU** (waits for the devices first).
+
+        Replicas are read once; partial addends are summed; padding is
+        dropped. Raises DeletedArrayError for a deleted or donated array.
+        """
+        self._check_alive("to_torch")
+        self.block_until_ready()
+        mesh = self._sharding.mesh
+        out = unshard_tensors(self._buffers, self._tensor_sharding(), mesh.shape, tuple(self._shape))
+        return out.cpu() if out.device.type != "cpu" else out
+
+    @property
+    def shards(self) -> list[Shard]:
+        """Per partition id, its ``Shard`` (unpadded views aliasing the buffers).
+
+        Raises DeletedArrayError for a deleted or donated array.
+        """
+        self._check_alive("shards")
+        ts = self._tensor_sharding()
+        mesh = self._sharding.mesh
+        out = []
+        for pid, (device, buf) in enumerate(zip(mesh.devices, self._buffers, strict=True)):
+            bounds = ts.shard_slices(tuple(self._shape), mesh.shape, pid)
+            view = buf[tuple(slice(0, b - a) for a, b in bounds)]
+            out.append(Shard(device, tuple(slice(a, b) for a, b in bounds), view, pid))
+        return out
+
+    def reshard(self, sharding: NamedSharding) -> ShardedArray:
+        """The value laid out as ``sharding`` (through collectives on device; see ``spmd.reshard``)."""
+        from spmd.reshard import reshard
+
+        self._check_alive("reshard")
+        return reshard(self, sharding)
+
+    # ------------------------------------------------------------ creation
+
+    @staticmethod
+    def from_shards(shards: Sequence[torch.Tensor], sharding: NamedSharding, global_shape) -> ShardedArray:
+        """Assemble an array from per-partition tensors (index = partition id).
+
+        Each shard is either the unpadded piece (``Shard.index`` extents) or
+        the padded piece (``sharding.shard_shape(global_shape)``), on the
+        mesh device of its partition, all of one dtype. Padded shards are
+        taken as buffers without a copy (the array then owns them); unpadded
+        ones that need padding are copied into a zero-padded buffer.
+
+        Raises:
+          TypeError: ``sharding`` not a NamedSharding, a shard not a Tensor.
+          ValueError: wrong number of shards, a shard of the wrong shape,
+            dtype or device, a sharding that does not fit ``global_shape``.
+        """
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError(f"sharding: expected a NamedSharding, got {type(sharding).__name__}")
+        shape = _check_shape(global_shape, "global_shape")
+        sharding.validate(shape, "sharding")
+        mesh = sharding.mesh
+        if len(shards) != mesh.num_devices:
+            raise ValueError(f"shards: expected {mesh.num_devices} shards (one per device of {mesh!r}), "
+                             f"got {len(shards)}")
+        ts = sharding.to_tensor_sharding(len(shape))
+        padded = ts.shard_dims(tuple(shape), mesh.shape)
+        dtype = shards[0].dtype if isinstance(shards[0], torch.Tensor) else None
+        buffers = []
+        for pid, (t, device) in enumerate(zip(shards, mesh.devices, strict=True)):
+            bounds = ts.shard_slices(tuple(shape), mesh.shape, pid)
+            buffers.append(_shard_buffer(t, pid, device, dtype, padded, tuple(b - a for a, b in bounds)))
+        return ShardedArray._from_buffers(buffers, sharding, shape, dtype)
+
+
+def _check_shape(shape, argname: str) -> torch.Size:
+    if not isinstance(shape, (Sequence, torch.Size)) or any(
+        not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape
+    ):
+        raise ValueError(f"{argname}: expected a sequence of non-negative ints, got {shape!r}")
+    return torch.Size(shape)
+
+
+def _shard_buffer(t, pid: int, device: torch.device, dtype, padded: tuple, unpadded: tuple) -> torch.Tensor:
+    """Check one ``from_shards`` input and return its padded buffer."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"shards[{pid}]: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"shards[{pid}]: expected dtype {dtype} (that of shards[0]), got {t.dtype}")
+    if not _same_device(t.device, device):
+        raise ValueError(f"shards[{pid}]: expected a tensor on {device}, got one on {t.device}")
+    got = tuple(t.shape)
+    if got == padded:
+        return t.contiguous()
+    if got != unpadded:
+        raise ValueError(f"shards[{pid}]: expected shape {list(unpadded)} (unpadded) or {list(padded)} (padded), "
+                         f"got {list(got)}")
+    buf = torch.zeros(padded, dtype=dtype, device=device)
+    buf[tuple(slice(0, n) for n in unpadded)] = t
+    return buf
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether a tensor on ``a`` sits on mesh device ``b`` (any CPU tensor is on every virtual CPU device)."""
+    return a.type == b.type and (a.type == "cpu" or a.index == b.index)
+
+
+def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
+    """Copy ``tensor`` (any device) onto the devices of ``sharding.mesh``, laid out as ``sharding``.
+
+    Every device gets a fresh, zero-padded buffer (never a view of
+    ``tensor``). With ``sharding.partial``, the first device of each partial
+    group gets the value and the others zeros, so the pending sum is the
+    value. A ``ShardedArray`` input is resharded instead.
+
+    Raises:
+      TypeError: ``tensor`` not a Tensor / ShardedArray, ``sharding`` not a NamedSharding.
+      ValueError (argname ``sharding``): unknown mesh axis, an axis used
+        twice, more spec entries than ``tensor`` has dims.
+    """
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(f"sharding: expected a NamedSharding, got {type(sharding).__name__}")
+    if isinstance(tensor, ShardedArray):
+        return tensor.reshard(sharding)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    sharding.validate(tuple(tensor.shape), "sharding")
+    value = tensor.detach()
+    mesh = sharding.mesh
+    ts = sharding.to_tensor_sharding(value.dim())
+    padded = ts.shard_dims(tuple(value.shape), mesh.shape)
+    buffers = []
+    for pid, device in enumerate(mesh.devices):
+        bounds = ts.shard_slices(tuple(value.shape), mesh.shape, pid)
+        local = tuple(b - a for a, b in bounds)
+        coords = mesh.shape.coords(pid) if ts.partial else None
+        if local != padded or (coords and any(coords[a] for a in ts.partial)):
+            buf = torch.zeros(padded, dtype=value.dtype, device=device)
+        else:
+            buf = torch.empty(padded, dtype=value.dtype, device=device)
+        if not coords or not any(coords[a] for a in ts.partial):
+            piece = value[tuple(slice(a, b) for a, b in bounds)]
+            buf[tuple(slice(0, n) for n in local)].copy_(piece)
+        buffers.append(buf)
+    return ShardedArray._from_buffers(buffers, sharding, value.shape, value.dtype)

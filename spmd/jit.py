@@ -1,0 +1,178 @@
+"""``spmd.jit``: stage a PyTorch function for a mesh, JAX-style: ``lower`` → ``compile`` → call.
+
+    f = spmd.jit(fn, mesh=mesh, in_shardings=(P(), P(None, "tp")), out_shardings=P())
+    y = f(x, w)                               # ShardedArray
+    f.lower(x, w).as_text("spmd-partition")   # per-device HLO text
+
+Arguments may be ``torch.Tensor``s (placed on the mesh with their in-sharding),
+``ShardedArray``s, or pytrees (dict / list / tuple) of them; non-tensor leaves
+are static (baked into the program and part of the cache key). Compilations
+are cached per ``Jitted`` by the arguments' shapes, dtypes and shardings, and
+process-wide by the canonical imported module text, input shardings, mesh and
+options. Output shardings are computed once per compilation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from spmd import metrics
+from spmd.array import ShardedArray
+from spmd.compiled import Compiled, compile_module
+from spmd.mesh import Mesh
+from spmd.passes.pipeline import CompileOptions
+from spmd.sharding import NamedSharding, PartitionSpec
+
+_GLOBAL_CACHE: dict[tuple, Compiled] = {}
+
+
+def jit(
+    fn: Callable,
+    *,
+    mesh: Mesh,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+    options: CompileOptions | None = None,
+    reshard_inputs: bool = False,
+) -> Jitted:
+    """Compile ``fn`` to run SPMD over ``mesh``.
+
+    Args:
+      fn: a PyTorch function (or ``nn.Module``) of tensors, traceable by
+        ``torch.export``.
+      mesh: the device mesh.
+      in_shardings: one entry per positional argument — a ``PartitionSpec``,
+        ``NamedSharding`` or None (keep a ``ShardedArray``'s own sharding;
+        replicate a tensor), or a pytree matching that argument; a single
+        spec applies to every argument.
+      out_shardings: like ``in_shardings`` for the outputs; None lets
+        propagation choose (never partial).
+      donate_argnums: positional arguments whose buffers the call may reuse
+        for outputs; the donated ``ShardedArray``s are dead afterwards.
+      options: ``CompileOptions``.
+      reshard_inputs: reshard a ``ShardedArray`` whose sharding differs from
+        its in-sharding on device instead of raising ``ValueError``.
+    Raises:
+      TypeError: ``mesh`` is not a Mesh or ``fn`` is not callable.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be an spmd.Mesh, got {type(mesh).__name__}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """How one flattened argument leaf enters the program."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sharding: NamedSharding
+
+
+class Jitted:
+    """A function staged for a mesh; call it, or ``lower`` it. See ``jit``."""
+
+    def __init__(self, fn, mesh, in_shardings, out_shardings, donate_argnums, options, reshard_inputs):
+        self.fn = fn
+        self.mesh = mesh
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.donate_argnums = donate_argnums
+        self.options = options
+        self.reshard_inputs = reshard_inputs
+        self._cache: dict[tuple, Compiled] = {}
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, *args):
+        leaves, tree = pytree.tree_flatten(args)
+        key = self._key(leaves, tree)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            metrics.counter("compile_cache.miss").inc()
+            compiled = self.lower(*args).compile()
+            self._cache[key] = compiled
+        else:
+            metrics.counter("compile_cache.hit").inc()
+        return compiled._call_flat(leaves)
+
+    def _key(self, leaves: list, tree) -> tuple:
+        parts: list = [tree]
+        for leaf in leaves:
+            if isinstance(leaf, ShardedArray):
+                parts.append((tuple(leaf.shape), leaf.dtype, leaf.sharding))
+            elif isinstance(leaf, torch.Tensor):
+                parts.append((tuple(leaf.shape), leaf.dtype))
+            else:
+                parts.append(("static", leaf))
+        return tuple(parts)
+
+    def lower(self, *args) -> Lowered:
+        """Import and run the compiler pipeline for these arguments (no execution)."""
+        from spmd.lowering import lower_function
+
+        return lower_function(self, args)
+
+
+class Lowered:
+    """A program lowered for specific argument shapes and shardings.
+
+    ``as_text(stage)`` gives the HLO text after a stage (see
+    ``spmd.passes.pipeline.STAGES``); ``compile()`` builds the executable.
+    """
+
+    def __init__(self, jitted: Jitted, program, pipeline_result, in_leaves, arg_tree, out_tree, static_leaves,
+                 cache_key):
+        self.jitted = jitted
+        self.program = program
+        self.result = pipeline_result
+        self.in_leaves: list[_Leaf] = in_leaves
+        self.arg_tree = arg_tree
+        self.out_tree = out_tree
+        self.static_leaves = static_leaves
+        self.cache_key = cache_key
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return tuple(self.result.stage_text)
+
+    def as_text(self, stage: str = "spmd-partition") -> str:
+        """HLO text after ``stage``. Raises ValueError for an unknown stage."""
+        try:
+            return self.result.stage_text[stage]
+        except KeyError:
+            raise ValueError(f"unknown stage {stage!r}; expected one of {list(self.result.stage_text)}") from None
+
+    def compile(self) -> Compiled:
+        """Build (or fetch from the process-wide cache) the executable."""
+        hit = _GLOBAL_CACHE.get(self.cache_key)
+        if hit is not None:
+            metrics.counter("compile_cache.global_hit").inc()
+            return hit
+        start = time.perf_counter()
+        compiled = compile_module(self)
+        metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
+        _GLOBAL_CACHE[self.cache_key] = compiled
+        return compiled
+
+    @property
+    def result_time_s(self) -> float:
+        return sum(self.result.pass_ms.values()) / 1e3
+
+
+def _as_named(spec, mesh: Mesh, what: str) -> NamedSharding | None:
+    if spec is None or isinstance(spec, NamedSharding):
+        if isinstance(spec, NamedSharding) and spec.mesh != mesh:
+            raise ValueError(f"{what}: sharding is on mesh {spec.mesh}, expected the jit mesh {mesh}")
+        return spec
+    if isinstance(spec, PartitionSpec):
+        return NamedSharding(mesh, spec)
+    raise TypeError(f"{what}: expected a PartitionSpec, NamedSharding or None, got {type(spec).__name__}")

@@ -1,0 +1,138 @@
+"""Lowering a ``Jitted`` function for concrete arguments: flatten, resolve shardings, import, run passes.
+
+The imported program takes the flattened tensor leaves of the arguments as
+its parameters, in ``torch.utils._pytree`` order; non-tensor leaves are static.
+Tracing uses meta tensors, so no device memory is touched while lowering.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from spmd.array import ShardedArray
+from spmd.ir.hlo import Instruction, Module
+from spmd.ir.text import print_module
+from spmd.passes.pipeline import run_pipeline
+from spmd.sharding import NamedSharding, PartitionSpec
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
+    """Per-leaf sharding specs of ``values`` from a spec tree given per top-level value.
+
+    ``spec_tree`` is None, one spec for everything, or a sequence with one entry
+    per value, each a spec (for all leaves of that value) or a pytree matching it.
+    Raises ValueError when the structure does not match.
+    """
+    if _is_spec_leaf(spec_tree):
+        return [spec_tree] * len(pytree.tree_leaves(values))
+    if not isinstance(spec_tree, (tuple, list)) or len(spec_tree) != len(values):
+        n = len(spec_tree) if isinstance(spec_tree, (tuple, list)) else type(spec_tree).__name__
+        raise ValueError(f"{what}: expected one entry per argument ({len(values)}), got {n}")
+    out: list = []
+    for i, (spec, value) in enumerate(zip(spec_tree, values)):
+        n_leaves = len(pytree.tree_leaves(value))
+        if _is_spec_leaf(spec):
+            out.extend([spec] * n_leaves)
+            continue
+        specs, spec_def = pytree.tree_flatten(spec, is_leaf=_is_spec_leaf)
+        value_def = pytree.tree_structure(value)
+        if spec_def != value_def:
+            raise ValueError(f"{what}[{i}]: the sharding tree {spec_def} does not match the argument's {value_def}")
+        out.extend(specs)
+    return out
+
+
+def _resolve_leaf(leaf, spec, mesh, name: str):
+    """The NamedSharding one tensor leaf enters the program with."""
+    from spmd.jit import _Leaf, _as_named
+
+    named = _as_named(spec, mesh, name)
+    if isinstance(leaf, ShardedArray):
+        leaf._check_alive(name) if hasattr(leaf, "_check_alive") else None
+        if leaf.sharding.mesh != mesh:
+            raise ValueError(f"{name}: array lives on mesh {leaf.sharding.mesh}, expected the jit mesh {mesh}")
+        named = named or leaf.sharding
+    elif named is None:
+        named = NamedSharding(mesh, PartitionSpec())
+    named.validate(tuple(leaf.shape), name)
+    return _Leaf(tuple(leaf.shape), leaf.dtype, named)
+
+
+def lower_function(jitted, args: tuple):
+    """Lower ``jitted`` for ``args``; returns a ``spmd.jit.Lowered``."""
+    from spmd.frontend.torch_export import import_program
+    from spmd.jit import Lowered
+
+    mesh = jitted.mesh
+    leaves, arg_tree = pytree.tree_flatten(args)
+    specs = leaf_specs(jitted.in_shardings, args, "in_shardings")
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
+    tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, (torch.Tensor, ShardedArray))]
+    in_leaves = [_resolve_leaf(leaves[i], specs[i], mesh, f"argument args{paths[i]}") for i in tensor_idx]
+    static = {i: leaves[i] for i in range(len(leaves)) if i not in set(tensor_idx)}
+    holder: dict[str, Any] = {}
+
+    def flat_fn(*tensors):
+        full = list(leaves)
+        for i, t in zip(tensor_idx, tensors):
+            full[i] = t
+        out = jitted.fn(*pytree.tree_unflatten(full, arg_tree))
+        out_leaves, holder["out_tree"] = pytree.tree_flatten(out)
+        return tuple(out_leaves)
+
+    examples = [torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") for leaf in in_leaves]
+    program = import_program(flat_fn, tuple(examples))
+    module = program.module
+    out_tree = holder["out_tree"]
+    _annotate(module, mesh, in_leaves, jitted.out_shardings, out_tree)
+    key = (print_module(module), mesh, jitted.options, jitted.donate_argnums, repr(static))
+    root = module.entry.root
+    out_avals = [(torch.Size(o.shape.dims), o.shape.torch_dtype)
+                 for o in (root.operands if root.opcode == "tuple" else [root])]
+    result = run_pipeline(module, jitted.options)
+    lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
+    lowered.out_avals = out_avals
+    return lowered
+
+
+def _annotate(module: Module, mesh, in_leaves, out_shardings, out_tree) -> None:
+    """Set the mesh, parameter shardings, and output constraints on the imported module."""
+    module.mesh = mesh.shape
+    params = module.entry.parameters
+    assert len(params) == len(in_leaves), (len(params), len(in_leaves))
+    for param, leaf in zip(params, in_leaves):
+        param.sharding = leaf.sharding.to_tensor_sharding(len(leaf.shape))
+    if out_shardings is None:
+        return
+    n_out = out_tree.num_leaves
+    outs = pytree.tree_unflatten([0] * n_out, out_tree)
+    if _is_spec_leaf(out_shardings):
+        specs = [out_shardings] * n_out
+    else:
+        specs = leaf_specs(tuple(out_shardings) if isinstance(outs, tuple) else (out_shardings,),
+                           outs if isinstance(outs, tuple) else (outs,), "out_shardings")
+    root = module.entry.root
+    outputs = root.operands if root.opcode == "tuple" else [root]
+    for k, (value, spec) in enumerate(zip(outputs, specs)):
+        from spmd.jit import _as_named
+
+        named = _as_named(spec, mesh, f"out_shardings[{k}]")
+        if named is None:
+            continue
+        named.validate(tuple(value.shape.dims), f"out_shardings[{k}]")
+        constraint = Instruction(
+            module.fresh_name(f"output.{k}.sharding"), "custom-call", value.shape, [value],
+            {"custom_call_target": "Sharding"}, sharding=named.to_tensor_sharding(value.shape.rank))
+        entry = module.entry
+        entry.instructions.insert(entry.instructions.index(root), constraint)
+        if root.opcode == "tuple":
+            root.operands[k] = constraint
+        else:
+            entry.root = constraint

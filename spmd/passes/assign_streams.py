@@ -1,0 +1,160 @@
+"""assign-streams: async-start/async-done with execution stream ids for windowed einsum.
+
+After windowed-einsum, the partial dots (``backend_config={"windowed_einsum": step}``)
+and the collective-permutes of the ring run on extra execution streams, as XLA's
+multi-streamed windowed einsum does (openxla/xla#7854, #8707: the GEMM is wrapped in an
+async-start/async-done pair carrying an execution stream id; a stream that consumes
+another stream's value waits for it). Before::
+
+    %ag.chunk1 = f32[4,6] collective-permute(%x), source_target_pairs={{0,1},{1,0}}
+    %d.0 = f32[4,5] dot(%x, %w), ..., backend_config={"windowed_einsum":0}
+    %d.acc0 = f32[8,5] dynamic-update-slice(%d.init, %d.0, %ag.off0, %zero)
+
+after (``fuse_update=True``: the dot and the dynamic-update-slice it feeds form one
+async unit, so that the runtime writes the GEMM straight into the accumulator)::
+
+    %d.acc0.body (d.acc0.arg0: f32[8,5], ...) -> f32[8,5] {
+      %d.0.op = f32[4,5] dot(%d.acc0.arg1, %d.acc0.arg2), ...
+      ROOT %d.acc0.op = f32[8,5] dynamic-update-slice(%d.acc0.arg0, %d.0.op, ...)
+    }
+    %ag.chunk1-start = (f32[4,6], f32[4,6]) collective-permute-start(%x), ..., stream_id=3
+    %ag.chunk1 = f32[4,6] collective-permute-done(%ag.chunk1-start), stream_id=3
+    %d.acc0-start = ((f32[8,5], f32[4,6], f32[6,5], s32[], s32[]), f32[8,5]) async-start(...),
+        calls=%d.acc0.body, stream_id=1
+    %d.acc0 = f32[8,5] async-done(%d.acc0-start), stream_id=1
+
+Compute streams are 1..num_compute_streams, assigned round-robin over the partial
+dots in program order; the communication stream is num_compute_streams + 1; every
+other entry instruction without a stream (parameters aside) gets stream 0. Joins stay explicit: a
+consumer of an ``*-done`` on another stream waits for it (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from spmd.ir.hlo import Computation, Instruction, Module, Shape
+from spmd.passes.windowed_einsum import MARK, _stable_toposort
+
+
+@dataclass(frozen=True)
+class AssignStreams:
+    """The assign-streams pass (see the module docstring).
+
+    num_compute_streams: number of extra compute streams (>= 1) the partial dots rotate over.
+    fuse_update: move a partial dot's single dynamic-update-slice user (its update operand)
+      into the same async computation.
+    A dynamic-slice read only by a partial dot moves into the dot's async computation too.
+    Raises ValueError for num_compute_streams < 1.
+    """
+
+    name: ClassVar[str] = "assign-streams"
+    num_compute_streams: int = 2
+    fuse_update: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_compute_streams, int) or self.num_compute_streams < 1:
+            raise ValueError(f"num_compute_streams must be an int >= 1, got {self.num_compute_streams!r}")
+
+    @property
+    def comm_stream(self) -> int:
+        """Stream id of the collective-permutes."""
+        return self.num_compute_streams + 1
+
+    def run(self, module: Module) -> Module:
+        comp = module.entry
+        names = {i.name for c in module.all_computations() for i in c.instructions}
+        names |= {c.name for c in module.all_computations()}
+        units = self._units(comp)
+        fused = {id(i) for unit in units.values() for i in unit[:-1]}
+        out: list[Instruction] = []
+        repl: dict[int, Instruction] = {}  # id(replaced instruction) -> its *-done
+        turn = 0
+        for inst in comp.instructions:
+            if id(inst) in fused:
+                continue
+            if id(inst) in units:
+                unit = units[id(inst)]
+                stream = 1 + turn % self.num_compute_streams
+                turn += 1
+                old, pair = unit[-1], _wrap_async(module, unit, stream, names)
+            elif inst.opcode == "collective-permute":
+                old, pair = inst, _split_permute(inst, self.comm_stream, names)
+            else:
+                if inst.stream_id is None and inst.opcode != "parameter":
+                    inst.stream_id = 0
+                out.append(inst)
+                continue
+            repl[id(old)] = pair[1]
+            out.extend(pair)
+        for inst in out:
+            inst.operands = [repl.get(id(o), o) for o in inst.operands]
+        comp.root = repl.get(id(comp.root), comp.root)
+        comp.instructions = _stable_toposort(out)
+        return module
+
+    def _units(self, comp: Computation) -> dict[int, list[Instruction]]:
+        """id(the root of a unit) -> [dynamic-slice operands..., partial dot, (its update)], in order."""
+        users = comp.users()
+        units: dict[int, list[Instruction]] = {}
+        for inst in comp.instructions:
+            if inst.opcode != "dot" or MARK not in inst.attrs.get("backend_config", {}):
+                continue
+            unit = [o for o in dict.fromkeys(inst.operands)
+                    if o.opcode == "dynamic-slice" and users[o] == [inst] and o is not comp.root] + [inst]
+            dus = users[inst][0] if len(users[inst]) == 1 else None
+            if (self.fuse_update and dus is not None and dus.opcode == "dynamic-update-slice"
+                    and dus.operands.index(inst) == 1 and dus.operands.count(inst) == 1):
+                unit.append(dus)
+            units[id(unit[-1])] = unit
+        return units
+
+
+def _fresh(names: set[str], base: str) -> str:
+    cand, k = base, 0
+    while cand in names:
+        k += 1
+        cand = f"{base}.{k}"
+    names.add(cand)
+    return cand
+
+
+def _wrap_async(module: Module, unit: list[Instruction], stream: int, names: set[str]) -> list[Instruction]:
+    """Move ``unit`` (a dot, optionally its dynamic-update-slice user) into an async computation.
+
+    Returns [async-start, async-done]; the done takes the name and sharding of the unit's root.
+    """
+    root = unit[-1]
+    inside = {id(i) for i in unit}
+    external: list[Instruction] = []
+    for i in unit:
+        for o in i.operands:
+            if id(o) not in inside and all(o is not e for e in external):
+                external.append(o)
+    mapping: dict[int, Instruction] = {}
+    body: list[Instruction] = []
+    for k, o in enumerate(external):
+        mapping[id(o)] = Instruction(_fresh(names, f"{root.name}.arg{k}"), "parameter", o.shape,
+                                     attrs={"parameter_number": k})
+        body.append(mapping[id(o)])
+    for i in unit:
+        mapping[id(i)] = Instruction(_fresh(names, f"{i.name}.op"), i.opcode, i.shape,
+                                     [mapping[id(o)] for o in i.operands], dict(i.attrs))
+        body.append(mapping[id(i)])
+    called = Computation(_fresh(names, f"{root.name}.body"), body, body[-1])
+    module.computations.append(called)
+    shape = Shape.tuple([Shape.tuple([o.shape for o in external]), root.shape])
+    start = Instruction(_fresh(names, f"{root.name}-start"), "async-start", shape, external, {"calls": called},
+                        stream_id=stream)
+    done = Instruction(root.name, "async-done", root.shape, [start], sharding=root.sharding, stream_id=stream)
+    return [start, done]
+
+
+def _split_permute(cp: Instruction, stream: int, names: set[str]) -> list[Instruction]:
+    """[collective-permute-start, collective-permute-done] on ``stream``; the done takes ``cp``'s name."""
+    shape = Shape.tuple([cp.operands[0].shape, cp.shape])
+    start = Instruction(_fresh(names, f"{cp.name}-start"), "collective-permute-start", shape, cp.operands,
+                        dict(cp.attrs), stream_id=stream)
+    done = Instruction(cp.name, "collective-permute-done", cp.shape, [start], sharding=cp.sharding, stream_id=stream)
+    return [start, done]

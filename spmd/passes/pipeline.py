@@ -1,0 +1,141 @@
+"""The compiler pipeline: runs the passes in order, keeps each stage's text, verifies, times.
+
+Stages, in run order (the names ``Lowered.as_text`` accepts)::
+
+    import → propagate-sharding → spmd-partition → windowed-einsum → assign-streams → schedule
+
+followed by the ``assign-buffers`` analysis. After each pass the module is
+verified when ``CompileOptions.verify`` is on (tests and ``SPMD_VERIFY=1``),
+the time spent is recorded in ``spmd.metrics`` (``pass.<name>``), and the
+printed module is kept; ``CompileOptions.dump_dir`` (or ``SPMD_DUMP=dir``)
+writes it to ``<dir>/<module>.<index>.<stage>.txt``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spmd import metrics
+from spmd.ir.hlo import Module
+from spmd.ir.text import print_module
+from spmd.ir.verify import verify_module
+
+STAGES = ("import", "propagate-sharding", "spmd-partition", "windowed-einsum", "assign-streams", "schedule")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of one compilation (part of the compile-cache key).
+
+    Attributes:
+      windowed_einsum: "auto" (the cost model decides per dot), "on" (always
+        decompose eligible all-gather→dot / dot→reduce-scatter pairs) or "off".
+      bidirectional: force the bidirectional (True) or unidirectional (False)
+        ring; None lets the cost model choose.
+      num_compute_streams: compute streams for the partial dots of a windowed
+        einsum (1 = the main stream only); None lets the cost model choose.
+      cuda_graphs: capture the executable into CUDA graphs on GPU meshes; None
+        = on where it helps (GPU meshes), False = always eager.
+      dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
+      verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
+    Raises:
+      ValueError: for an unknown ``windowed_einsum`` mode or a
+        ``num_compute_streams`` < 1.
+    """
+
+    windowed_einsum: str = "auto"
+    bidirectional: bool | None = None
+    num_compute_streams: int | None = None
+    cuda_graphs: bool | None = None
+    dump_dir: str | None = None
+    verify: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.windowed_einsum not in ("auto", "on", "off"):
+            raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
+        if self.num_compute_streams is not None and self.num_compute_streams < 1:
+            raise ValueError(f"num_compute_streams must be >= 1, got {self.num_compute_streams}")
+
+    @property
+    def verify_enabled(self) -> bool:
+        return self.verify if self.verify is not None else os.environ.get("SPMD_VERIFY", "") not in ("", "0")
+
+    @property
+    def dump_path(self) -> Path | None:
+        d = self.dump_dir or os.environ.get("SPMD_DUMP")
+        return Path(d) if d else None
+
+
+@dataclass
+class PipelineResult:
+    """The compiled module, its text after every stage, and time per pass (ms)."""
+
+    module: Module
+    stage_text: dict[str, str] = field(default_factory=dict)
+    pass_ms: dict[str, float] = field(default_factory=dict)
+    buffers: Any = None
+
+
+def build_passes(options: CompileOptions) -> list:
+    """The pass objects for ``options``, in run order."""
+    from spmd.passes.assign_streams import AssignStreams
+    from spmd.passes.propagate_sharding import PropagateSharding
+    from spmd.passes.schedule import Schedule
+    from spmd.passes.spmd_partition import SpmdPartition
+    from spmd.passes.windowed_einsum import WindowedEinsum
+
+    we_kwargs: dict[str, Any] = {"mode": options.windowed_einsum}
+    if options.bidirectional is not None:
+        we_kwargs["bidirectional"] = options.bidirectional
+    streams_kwargs: dict[str, Any] = {}
+    if options.num_compute_streams is not None:
+        streams_kwargs["num_compute_streams"] = options.num_compute_streams
+    return [
+        PropagateSharding(),
+        SpmdPartition(),
+        WindowedEinsum(**we_kwargs),
+        AssignStreams(**streams_kwargs),
+        Schedule(),
+    ]
+
+
+def run_pipeline(module: Module, options: CompileOptions, passes: list | None = None) -> PipelineResult:
+    """Run ``passes`` (default: ``build_passes(options)``) over ``module``.
+
+    Raises:
+      spmd.ir.verify.VerifyError: when verification is on and a pass produced
+        an invalid module (the message names the pass).
+    """
+    passes = build_passes(options) if passes is None else passes
+    result = PipelineResult(module)
+    verify = options.verify_enabled
+    dump = options.dump_path
+    _record(result, "import", module, dump, 0)
+    if verify:
+        verify_module(module)
+    for index, p in enumerate(passes, start=1):
+        start = time.perf_counter()
+        module = p.run(module)
+        elapsed = time.perf_counter() - start
+        metrics.timer(f"pass.{p.name}").record(elapsed)
+        result.pass_ms[p.name] = elapsed * 1e3
+        if verify:
+            try:
+                verify_module(module)
+            except ValueError as e:
+                raise type(e)(f"after pass {p.name}: {e}") from e
+        _record(result, p.name, module, dump, index)
+    result.module = module
+    return result
+
+
+def _record(result: PipelineResult, stage: str, module: Module, dump: Path | None, index: int) -> None:
+    text = print_module(module)
+    result.stage_text[stage] = text
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{module.name}.{index:02d}.{stage}.txt").write_text(text)

@@ -1,0 +1,192 @@
+"""Collectives over local CUDA GPUs driven from one process.
+
+- all-gather / reduce-scatter / all-reduce: NCCL through ``torch.cuda.nccl`` (one NCCL clique
+  per replica group, cached by PyTorch per device list), issued on each device's stream of
+  the collective's stream id (``streams=``).
+- all-to-all and collective-permute (and the three above when NCCL is off): copy-engine peer
+  copies, ``dst.copy_(src, non_blocking=True)`` issued while the *source* device's current
+  stream is its stream of the collective's id and the destination device's current stream is
+  its own stream of that id. PyTorch's cross-device copy then orders the copy after the
+  destination stream's earlier work (the destination buffer is free: it was allocated on that
+  stream) and makes the destination stream wait for the copy's completion — the data-ready
+  and copy-done events of a collective-permute thunk. The operand is ready on the source
+  stream because the lowering made that stream wait for the operand's producer.
+
+Peer access is enabled once at construction (a first tiny copy between every pair does it),
+so that later copies — and CUDA graph captures — go device to device.
+
+Results are fresh tensors allocated on the destination's collective stream; the executor's
+fork/join keeps the caching allocator's reuse of them stream-ordered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spmd.runtime.comm.base import chunk_index, reduce_stack
+from spmd.runtime.thunks import CollectiveSpec
+
+Tensor = torch.Tensor
+
+_NCCL_OPS = {"add": 0, "multiply": 1, "maximum": 2, "minimum": 3}  # ncclRedOp_t
+
+
+def nccl_available() -> bool:
+    """Whether this PyTorch build has ``torch.cuda.nccl`` collectives."""
+    try:
+        import torch.cuda.nccl as nccl
+
+        return torch.cuda.is_available() and hasattr(torch._C, "_nccl_all_gather") and nccl.version() is not None
+    except (ImportError, RuntimeError, AttributeError):
+        return False
+
+
+class CudaCommunicator:
+    """Collectives over ``devices`` (local index == partition id).
+
+    Args:
+      devices: the CUDA devices of the mesh in partition-id order.
+      use_nccl: NCCL for all-gather / reduce-scatter / all-reduce; None = when available.
+    """
+
+    def __init__(self, devices: Sequence[torch.device], use_nccl: bool | None = None) -> None:
+        self.devices = list(devices)
+        self.pids = tuple(range(len(self.devices)))
+        self.use_nccl = nccl_available() if use_nccl is None else use_nccl
+        enable_peer_access(self.devices)
+
+    def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
+        """Run ``spec`` with ``inputs[pid]``; every device uses its stream ``stream_id``."""
+        streams = [env.streams[stream_id] for env in envs]
+        for s in streams:
+            torch.cuda.set_stream(s)
+        x = list(inputs)
+        if spec.kind == "collective-permute":
+            return self._permute(spec, x)
+        if spec.kind == "all-to-all":
+            return self._all_to_all(spec, x)
+        if spec.kind == "all-gather":
+            return self._nccl_all_gather(spec, x, streams) if self.use_nccl else self._copy_all_gather(spec, x)
+        if spec.kind == "reduce-scatter":
+            return self._nccl_reduce_scatter(spec, x, streams) if self.use_nccl else self._copy_reduce(spec, x, True)
+        if spec.kind == "all-reduce":
+            return self._nccl_all_reduce(spec, x, streams) if self.use_nccl else self._copy_reduce(spec, x, False)
+        raise ValueError(f"collective kind: expected one of all-gather, reduce-scatter, all-reduce, all-to-all, "
+                         f"collective-permute, got {spec.kind!r}")
+
+    # ------------------------------------------------------------------ NCCL
+    def _nccl_all_gather(self, spec: CollectiveSpec, x: list[Tensor], streams) -> list[Tensor]:
+        import torch.cuda.nccl as nccl
+
+        out: list = [None] * len(x)
+        for g in spec.groups:
+            ins = [x[p].contiguous() for p in g]
+            outs = [torch.empty((len(g), *ins[0].shape), dtype=spec.dtype, device=self.devices[p]) for p in g]
+            nccl.all_gather(ins, outs, streams=[streams[p] for p in g])
+            for p, o in zip(g, outs, strict=True):
+                out[p] = _stacked_to_concat(o, spec.dim, spec.out_dims)
+        return out
+
+    def _nccl_reduce_scatter(self, spec: CollectiveSpec, x: list[Tensor], streams) -> list[Tensor]:
+        import torch.cuda.nccl as nccl
+
+        out: list = [None] * len(x)
+        for g in spec.groups:
+            ins = [_split_to_stacked(x[p], spec.dim, len(g)) for p in g]
+            outs = [torch.empty(spec.out_dims, dtype=spec.dtype, device=self.devices[p]) for p in g]
+            nccl.reduce_scatter(ins, outs, op=_NCCL_OPS[spec.reduce_op], streams=[streams[p] for p in g])
+            for p, o in zip(g, outs, strict=True):
+                out[p] = o
+        return out
+
+    def _nccl_all_reduce(self, spec: CollectiveSpec, x: list[Tensor], streams) -> list[Tensor]:
+        import torch.cuda.nccl as nccl
+
+        out: list = [None] * len(x)
+        for g in spec.groups:
+            ins = [x[p].contiguous() for p in g]
+            outs = [torch.empty(spec.out_dims, dtype=spec.dtype, device=self.devices[p]) for p in g]
+            nccl.all_reduce(ins, outs, op=_NCCL_OPS[spec.reduce_op], streams=[streams[p] for p in g])
+            for p, o in zip(g, outs, strict=True):
+                out[p] = o
+        return out
+
+    # ------------------------------------------------------------------ peer copies
+    def _permute(self, spec: CollectiveSpec, x: list[Tensor]) -> list[Tensor]:
+        out: list = [None] * len(x)
+        for src, tgt in spec.pairs:
+            buf = torch.empty(spec.out_dims, dtype=spec.dtype, device=self.devices[tgt])
+            buf.copy_(x[src], non_blocking=True)
+            out[tgt] = buf
+        for p in range(len(x)):
+            if out[p] is None:
+                out[p] = torch.zeros(spec.out_dims, dtype=spec.dtype, device=self.devices[p])
+        return out
+
+    def _all_to_all(self, spec: CollectiveSpec, x: list[Tensor]) -> list[Tensor]:
+        out: list = [None] * len(x)
+        for g in spec.groups:
+            n = len(g)
+            for j, dst in enumerate(g):
+                buf = torch.empty(spec.out_dims, dtype=spec.dtype, device=self.devices[dst])
+                for i, src in enumerate(g):
+                    s0, size = chunk_index(tuple(x[src].shape), spec.split_dim, n, j)
+                    d0, dsize = chunk_index(spec.out_dims, spec.concat_dim, n, i)
+                    buf.narrow(spec.concat_dim, d0, dsize).copy_(x[src].narrow(spec.split_dim, s0, size),
+                                                                 non_blocking=True)
+                out[dst] = buf
+        return out
+
+    def _copy_all_gather(self, spec: CollectiveSpec, x: list[Tensor]) -> list[Tensor]:
+        out: list = [None] * len(x)
+        for g in spec.groups:
+            for dst in g:
+                buf = torch.empty((len(g), *x[g[0]].shape), dtype=spec.dtype, device=self.devices[dst])
+                for i, src in enumerate(g):
+                    buf[i].copy_(x[src], non_blocking=True)
+                out[dst] = _stacked_to_concat(buf, spec.dim, spec.out_dims)
+        return out
+
+    def _copy_reduce(self, spec: CollectiveSpec, x: list[Tensor], scatter: bool) -> list[Tensor]:
+        out: list = [None] * len(x)
+        for g in spec.groups:
+            n = len(g)
+            for j, dst in enumerate(g):
+                pieces = []
+                for src in g:
+                    v = x[src]
+                    if scatter:
+                        s0, size = chunk_index(tuple(v.shape), spec.dim, n, j)
+                        v = v.narrow(spec.dim, s0, size)
+                    buf = torch.empty(v.shape, dtype=spec.dtype, device=self.devices[dst])
+                    buf.copy_(v, non_blocking=True)
+                    pieces.append(buf)
+                out[dst] = reduce_stack(pieces, spec.reduce_op)
+        return out
+
+
+def _stacked_to_concat(stacked: Tensor, dim: int, out_dims: tuple[int, ...]) -> Tensor:
+    """[n, *shard] (shards in group order) -> the shards concatenated along ``dim``."""
+    if dim == 0:
+        return stacked.view(out_dims)
+    return stacked.movedim(0, dim).reshape(out_dims)
+
+
+def _split_to_stacked(x: Tensor, dim: int, n: int) -> Tensor:
+    """x split in ``n`` equal chunks along ``dim`` -> contiguous [n, *chunk]."""
+    if dim == 0:
+        return x.contiguous()
+    return torch.stack(torch.chunk(x, n, dim=dim))
+
+
+def enable_peer_access(devices: Sequence[torch.device]) -> None:
+    """Enable peer access between every pair of ``devices`` with a first tiny copy each way."""
+    for a in devices:
+        for b in devices:
+            if a != b:
+                torch.zeros(1, device=b).copy_(torch.ones(1, device=a))
+    for d in devices:
+        torch.cuda.synchronize(d)

@@ -1,0 +1,198 @@
+"""Peephole fusions of the lowering for the windowed-einsum hot path.
+
+(a) ``%u = dot(%a, %b)``; ``%r = dynamic-update-slice(%buf, %u, offsets...)`` where ``%u`` has
+    no other user, ``%buf`` is read by nothing after ``%r`` (and only on ``%r``'s stream), and
+    the updated region is contiguous (the update spans whole trailing dims): the dot writes
+    straight into the view of ``%buf`` (``torch.mm(a, b, out=view)`` via the dot kernel), in
+    place when ``%buf`` is memory the runtime owns, else into a copy of it. This is the result
+    accumulation of XLA's windowed einsum loops (xla/service/spmd/dot_handler.cc), where the
+    partial products land in slices of one output buffer.
+(b) ``add(dot(%a, %b), %c)`` (either order) where the dot has no other user and is a plain or
+    batched matrix product in the operands' dtype: ``torch.addmm`` / ``torch.baddbmm``.
+
+Both rewrite the ``Op`` list of ``spmd.runtime.lower`` in place; the unfused path stays for
+everything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Opcodes whose kernel result is fresh memory (never a view or an operand): safe to write into.
+FRESH_OPCODES = frozenset({"dot", "dynamic-update-slice", "add", "subtract", "multiply", "divide",
+                           "maximum", "minimum", "concatenate", "select", "copy"})
+
+
+def fuse(ops: list, outputs: set[int], buffers: Any) -> None:
+    """Apply fusions (a) and (b) to ``ops`` (a list of ``lower.Op``) in place."""
+    readers: dict[int, list[int]] = {}
+    for k, op in enumerate(ops):
+        for s in op.ins:
+            readers.setdefault(s, []).append(k)
+    producer = {op.out: k for k, op in enumerate(ops)}
+    removed: set[int] = set()
+    for k, op in enumerate(ops):
+        if op.fn is not None or "spec" in op.extra:
+            continue
+        if op.inst.opcode == "dynamic-update-slice":
+            d = _fusable_dot(ops, producer, readers, outputs, op.ins[1], op.stream)
+            if d is not None and _dus_ok(ops, k, d, readers, outputs):
+                _fuse_dus(ops, k, d, producer, buffers)
+                removed.add(d)
+        elif op.inst.opcode == "add":
+            for pos in (0, 1):
+                d = _fusable_dot(ops, producer, readers, outputs, op.ins[pos], op.stream)
+                if d is not None and _addmm_ok(ops[d].inst, op.inst, op.inst.operands[1 - pos]):
+                    _fuse_addmm(ops, k, d, op.ins[1 - pos])
+                    removed.add(d)
+                    break
+    ops[:] = [op for k, op in enumerate(ops) if k not in removed]
+
+
+def dot_work(dot_inst) -> int:
+    """Multiply-adds of a dot: result elements times the contracted size."""
+    k = 1
+    for d in dot_inst.attrs["lhs_contracting_dims"]:
+        k *= dot_inst.operands[0].shape.dims[d]
+    return dot_inst.shape.numel * k
+
+
+def _fusable_dot(ops, producer, readers, outputs, slot: int, stream: int) -> int | None:
+    d = producer.get(slot)
+    if d is None:
+        return None
+    dot = ops[d]
+    if dot.inst.opcode != "dot" or dot.fn is not None or dot.stream != stream:
+        return None
+    if slot in outputs or len(readers.get(slot, ())) != 1:
+        return None
+    return d
+
+
+def _dus_ok(ops, k: int, d: int, readers, outputs) -> bool:
+    op = ops[k]
+    buf = op.ins[0]
+    if buf in outputs or buf in ops[d].ins or op.ins[1] == buf:
+        return False
+    if any(r > k or ops[r].stream != op.stream for r in readers.get(buf, ())):
+        return False
+    if buf in op.ins[2:]:
+        return False
+    return contiguous_update(op.inst.operands[0].shape.dims, op.inst.operands[1].shape.dims)
+
+
+def contiguous_update(buf_dims: tuple[int, ...], upd_dims: tuple[int, ...]) -> bool:
+    """Whether ``buf[o0:o0+u0, ...]`` of a row-major buffer is contiguous for any offsets.
+
+    True when, for the last dim ``m`` where the update is smaller, every update dim before
+    ``m`` is 1 (dims after ``m`` are whole by the choice of ``m``).
+    """
+    diff = [i for i, (b, u) in enumerate(zip(buf_dims, upd_dims, strict=False)) if b != u]
+    if not diff:
+        return True
+    return all(u == 1 for u in upd_dims[:diff[-1]])
+
+
+def _owned(ops, producer, slot: int) -> bool:
+    """The slot's tensor is fresh memory produced in this call (not a parameter/constant/view)."""
+    p = producer.get(slot)
+    if p is None:
+        return False
+    op = ops[p]
+    return "spec" in op.extra or op.alias_of >= 0 or op.inst.opcode in FRESH_OPCODES
+
+
+def _fuse_dus(ops, k: int, d: int, producer, buffers) -> None:
+    from spmd.runtime.kernels import compile_kernel
+
+    op, dot = ops[k], ops[d]
+    buf_dims = op.inst.operands[0].shape.dims
+    upd_dims = op.inst.operands[1].shape.dims
+    buf = op.ins[0]
+    offsets = getattr(buffers, "offsets_bytes", {}) if buffers is not None else {}
+    buf_name = ops[producer[buf]].buffer_name if buf in producer else None
+    in_arena = buf_name in offsets or op.inst.name in offsets
+    inplace = _owned(ops, producer, buf) and not in_arena
+    if buf_name in offsets and op.inst.name in offsets and offsets[buf_name] == offsets[op.inst.name]:
+        inplace = True  # the buffer assignment shares the bytes: write in place via ``out``
+    op.fn = make_dot_into_slice(compile_kernel(dot.inst), buf_dims, upd_dims, inplace and not in_arena)
+    op.ins = [buf, *dot.ins, *op.ins[2:]]
+    op.extra["offset_from"] = 3
+    op.extra["work"] = dot_work(dot.inst)
+    if inplace:
+        op.alias_of = buf
+
+
+def make_dot_into_slice(dot_fn: Callable, buf_dims: tuple[int, ...], upd_dims: tuple[int, ...],
+                        inplace: bool) -> Callable:
+    """Closure ``([buf, lhs, rhs, start_0, ...], out) -> Tensor`` for fusion (a).
+
+    Writes ``dot(lhs, rhs)`` into ``buf[start_0:start_0+u_0, ...]`` (starts clamped as XLA's
+    dynamic-update-slice does). The target is ``out`` when given (``buf`` copied into it unless
+    it is the same memory), else ``buf`` itself when ``inplace`` and ``buf`` is a contiguous
+    non-view tensor, else a copy of ``buf``.
+    """
+    moving = tuple(i for i, (b, u) in enumerate(zip(buf_dims, upd_dims, strict=False)) if b != u)
+    limits = {i: buf_dims[i] - upd_dims[i] for i in moving}
+
+    def kernel(ops: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+        buf = ops[0]
+        if out is not None:
+            if out.data_ptr() != buf.data_ptr():
+                out.copy_(buf)
+            target = out
+        elif inplace and buf._base is None and buf.is_contiguous():
+            target = buf
+        else:
+            target = buf.clone(memory_format=torch.contiguous_format)
+        view = target
+        for i in moving:
+            view = view.narrow(i, min(max(int(ops[3 + i]), 0), limits[i]), upd_dims[i])
+        dot_fn([ops[1], ops[2]], view)
+        return target
+    return kernel
+
+
+def _addmm_ok(dot_inst, add_inst, other) -> bool:
+    if _mm_layout(dot_inst) is None:
+        return False
+    dt = add_inst.shape.dtype
+    lhs, rhs = dot_inst.operands
+    return (dot_inst.shape.dtype == dt == lhs.shape.dtype == rhs.shape.dtype == other.shape.dtype
+            and other.shape.dims == dot_inst.shape.dims)
+
+
+def _mm_layout(dot_inst) -> tuple[bool, bool] | None:
+    """(batched, rhs_transposed) when the dot is ``a @ b`` / ``a @ b.T`` (optionally batched on dim 0)."""
+    a = dot_inst.attrs
+    lhs, rhs = dot_inst.operands
+    lb, rb = tuple(a.get("lhs_batch_dims", ())), tuple(a.get("rhs_batch_dims", ()))
+    lc, rc = tuple(a["lhs_contracting_dims"]), tuple(a["rhs_contracting_dims"])
+    if not lb and not rb and lhs.shape.rank == 2 == rhs.shape.rank and lc == (1,) and rc in ((0,), (1,)):
+        return False, rc == (1,)
+    if lb == rb == (0,) and lhs.shape.rank == 3 == rhs.shape.rank and lc == (2,) and rc in ((1,), (2,)):
+        return True, rc == (2,)
+    return None
+
+
+def _fuse_addmm(ops, k: int, d: int, c_slot: int) -> None:
+    batched, trans = _mm_layout(ops[d].inst)
+    op = ops[k]
+    op.fn = make_addmm(batched, trans)
+    op.ins = [c_slot, *ops[d].ins]
+    op.extra["work"] = dot_work(ops[d].inst)
+
+
+def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
+    """Closure ``([c, a, b], out) -> c + a @ b`` on torch.addmm / torch.baddbmm (fusion (b))."""
+    mm = torch.baddbmm if batched else torch.addmm
+
+    def kernel(ops: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+        c, a, b = ops
+        if rhs_transposed:
+            b = b.transpose(-1, -2)
+        return mm(c, a, b) if out is None else mm(c, a, b, out=out)
+    return kernel

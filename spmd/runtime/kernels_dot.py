@@ -1,0 +1,73 @@
+"""The ``dot`` kernel (XLA DotGeneral) on torch.mm / torch.bmm.
+
+Result dims are the batch dims, then the lhs free dims, then the rhs free dims, each in operand
+order (https://openxla.org/xla/operation_semantics#dotgeneral). The operands are permuted
+(a view) to ``lhs [B, M, K]`` and ``rhs [B, K, N]``; ``reshape`` stays a view whenever the
+strides allow (row-major inputs in the usual layouts: ``x @ w``, ``x @ w.T``, attention's
+``q @ k.T``), so the common cases run a single cuBLAS call, writing straight into ``out``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spmd.ir.hlo import Instruction
+
+Tensor = torch.Tensor
+
+
+def _split_dims(rank: int, batch: tuple[int, ...], contracting: tuple[int, ...]) -> tuple[int, ...]:
+    used = set(batch) | set(contracting)
+    return tuple(d for d in range(rank) if d not in used)
+
+
+def _perm_or_none(perm: tuple[int, ...]) -> tuple[int, ...] | None:
+    return None if perm == tuple(range(len(perm))) else perm
+
+
+def build_dot(inst: Instruction, dev=None):
+    """Kernel ``(operands, out) -> Tensor`` for a dot instruction.
+
+    Operands: lhs and rhs of the same dtype; the result dtype may differ (e.g. bf16 inputs
+    with an f32 result), in which case the product is converted.
+    """
+    lhs, rhs = inst.operands
+    lb, rb = tuple(inst.attrs.get("lhs_batch_dims", ())), tuple(inst.attrs.get("rhs_batch_dims", ()))
+    lc, rc = tuple(inst.attrs["lhs_contracting_dims"]), tuple(inst.attrs["rhs_contracting_dims"])
+    lf = _split_dims(lhs.shape.rank, lb, lc)
+    rf = _split_dims(rhs.shape.rank, rb, rc)
+    ld, rd = lhs.shape.dims, rhs.shape.dims
+    b = math.prod(ld[d] for d in lb)
+    m = math.prod(ld[d] for d in lf)
+    k = math.prod(ld[d] for d in lc)
+    n = math.prod(rd[d] for d in rf)
+    lperm = _perm_or_none(lb + lf + lc)
+    rperm = _perm_or_none(rb + rc + rf)
+    out_dims = inst.shape.dims
+    dtype = inst.shape.torch_dtype
+    convert = lhs.shape.dtype != inst.shape.dtype
+    if lb:
+        a_shape, b_shape, o_shape, mm = (b, m, k), (b, k, n), (b, m, n), torch.bmm
+    else:
+        a_shape, b_shape, o_shape, mm = (m, k), (k, n), (m, n), torch.mm
+
+    def kernel(ops: list[Tensor], out: Tensor | None) -> Tensor:
+        x, y = ops
+        if lperm is not None:
+            x = x.permute(lperm)
+        if rperm is not None:
+            y = y.permute(rperm)
+        x = x.reshape(a_shape)
+        y = y.reshape(b_shape)
+        if out is not None and not convert and out.is_contiguous():
+            mm(x, y, out=out.view(o_shape))
+            return out
+        r = mm(x, y).reshape(out_dims)
+        if convert:
+            r = r.to(dtype)
+        if out is None:
+            return r
+        return out.copy_(r)
+    return kernel

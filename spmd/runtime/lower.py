@@ -1,0 +1,433 @@
+"""Lowering: a scheduled, partitioned entry computation -> a flat thunk list with stream ids.
+
+Modelled on XLA's GPU thunk emission (xla/service/gpu/runtime: one thunk per instruction,
+each with an execution stream id; async collectives as start/done; WaitForStreams joins):
+
+- ``parameter`` binds an argument slot; ``tuple`` / ``get-tuple-element`` / ``*-done`` are pure
+  aliasing resolved here (no thunk).
+- ``constant``, ``partition-id`` and every small value computed only from them (the offset
+  arithmetic of dynamic-slice / dynamic-update-slice) are folded once per device at lowering
+  time into persistent tensors: a call pays nothing for them. On GPU, offset operands of
+  dynamic-slice / dynamic-update-slice read a host copy, so the kernels never sync.
+- ``async-start`` inlines its ``calls`` computation as thunks on the async-start's stream.
+- collectives and their ``*-start`` forms become ``CollectiveThunk``s.
+- every other instruction becomes a ``KernelThunk`` from ``kernels.compile_kernel``, writing
+  into its arena view when a ``BufferAssignment`` places it.
+- peephole fusions (``spmd.runtime.fusions``): dot into a dynamic-update-slice, dot + add.
+- on GPU, a record-event / wait-event pair for every cross-stream dependency not already
+  implied by an earlier join (vector clocks over streams).
+- slots are dropped after their last reader when only one stream ever touches their memory;
+  values shared across streams are kept until the end of the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spmd.ir.hlo import Computation, Instruction, Module
+from spmd.runtime import fusions
+from spmd.runtime.thunks import (
+    CollectiveSpec,
+    CollectiveThunk,
+    KernelThunk,
+    RecordEventThunk,
+    Thunk,
+    WaitEventThunk,
+)
+
+FOLD_MAX_NUMEL = 1024  # values computed only from constants / partition-id up to this size are folded
+_FOLD_NEVER = frozenset({"custom-call", "parameter"})
+_COLLECTIVE_KIND = {
+    "all-gather": "all-gather", "all-gather-start": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "all-reduce": "all-reduce", "all-reduce-start": "all-reduce",
+    "all-to-all": "all-to-all",
+    "collective-permute": "collective-permute", "collective-permute-start": "collective-permute",
+}
+_PAIR_STARTS = frozenset({"all-gather-start", "collective-permute-start"})
+_DONES = frozenset({"all-gather-done", "collective-permute-done", "all-reduce-done", "async-done"})
+_OFFSET_FROM = {"dynamic-slice": 1, "dynamic-update-slice": 2}
+
+
+@dataclass(frozen=True)
+class ArenaView:
+    """A preallocated output: ``size_bytes`` at ``offset_bytes`` of the per-device arena."""
+
+    offset_bytes: int
+    dims: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Program:
+    """A lowered executable program for the local devices.
+
+    Fields:
+      num_slots: length of each device's per-call slot list.
+      thunks: the thunk sequence (event thunks only on GPU).
+      param_slots: slot of each entry parameter, by parameter number.
+      output_slots: slot of each output (the flattened root).
+      output_clone: per output, whether the value must be copied before it is returned
+        (a persistent constant or an arena view).
+      templates: per local device, the initial slot list (persistent values filled in).
+      stream_ids: the execution stream ids used (always includes 0).
+      num_events: events per device used by the event thunks.
+      arena_views: the arena views kernels write into (``KernelThunk.buffer`` indexes it).
+      arena_size_bytes: size of the per-device arena.
+    """
+
+    num_slots: int
+    thunks: list[Thunk]
+    param_slots: tuple[int, ...]
+    output_slots: tuple[int, ...]
+    output_clone: tuple[bool, ...]
+    templates: list[list[Any]]
+    stream_ids: tuple[int, ...]
+    num_events: int
+    arena_views: tuple[ArenaView, ...]
+    arena_size_bytes: int
+
+
+@dataclass(eq=False)
+class Op:
+    """An instruction to run (kernel or collective) before thunks are built."""
+
+    inst: Instruction
+    stream: int
+    ins: list[int]
+    out: int
+    fn: Any = None                 # kernel closure (set by fusions or at build time)
+    buffer_name: str | None = None  # instruction name whose arena offset holds the result
+    alias_of: int = -1              # result shares the memory of this slot (in-place fusion)
+    extra: dict = field(default_factory=dict)
+
+
+class _Lowerer:
+    def __init__(self, module: Module, devices: Sequence[torch.device], pids: Sequence[int],
+                 buffers: Any, gpu: bool) -> None:
+        self.module, self.devices, self.pids, self.buffers, self.gpu = module, list(devices), list(pids), buffers, gpu
+        self.num_slots = 0
+        self.refs: dict[int, Any] = {}          # id(inst) -> slot or tuple of refs
+        self.slot_inst: dict[int, Instruction] = {}
+        self.folded: dict[int, list[torch.Tensor]] = {}  # slot -> per local device host value
+        self.ops: list[Op] = []
+        self.param_slots: dict[int, int] = {}
+
+    def new_slot(self, inst: Instruction) -> int:
+        self.num_slots += 1
+        self.slot_inst[self.num_slots - 1] = inst
+        return self.num_slots - 1
+
+    # ------------------------------------------------------------------ walk
+    def walk(self, comp: Computation, stream: int, live: set[int]) -> None:
+        for inst in comp.instructions:
+            if id(inst) in live:
+                self.refs[id(inst)] = self.lower_inst(inst, stream, live)
+
+    def lower_inst(self, inst: Instruction, stream: int, live: set[int]) -> Any:
+        op = inst.opcode
+        sid = stream if inst.stream_id is None else inst.stream_id
+        if op == "parameter":
+            if inst.shape.is_tuple:
+                raise ValueError(f"parameter %{inst.name}: tuple-shaped entry parameters are not supported")
+            slot = self.new_slot(inst)
+            self.param_slots[inst.attrs["parameter_number"]] = slot
+            return slot
+        if op == "tuple":
+            return tuple(self.refs[id(o)] for o in inst.operands)
+        if op == "get-tuple-element" and isinstance(self.refs[id(inst.operands[0])], tuple):
+            return self.refs[id(inst.operands[0])][inst.attrs["index"]]
+        if op in _DONES:
+            ref = self.refs[id(inst.operands[0])]
+            return ref[1] if isinstance(ref, tuple) else ref
+        if op == "async-start":
+            return self.lower_async_start(inst, sid)
+        if op == "partition-id":
+            slot = self.new_slot(inst)
+            self.folded[slot] = [torch.tensor(p, dtype=torch.uint32) for p in self.pids]
+            return slot
+        ins = [self.refs[id(o)] for o in inst.operands]
+        if any(isinstance(r, tuple) for r in ins):
+            raise ValueError(f"%{inst.name} ({op}): tuple-valued operands are not supported by the runtime")
+        if op in _COLLECTIVE_KIND:
+            return self.lower_collective(inst, sid, ins)
+        if self.foldable(inst, ins):
+            return self.fold(inst, ins)
+        slot = self.new_slot(inst)
+        self.ops.append(Op(inst, sid, ins, slot, buffer_name=inst.name))
+        return slot
+
+    def lower_async_start(self, inst: Instruction, sid: int) -> Any:
+        body: Computation = inst.attrs["calls"]
+        operand_refs = tuple(self.refs[id(o)] for o in inst.operands)
+        for p in body.parameters:
+            self.refs[id(p)] = operand_refs[p.attrs["parameter_number"]]
+        body_live = reachable(body.root)
+        for b in body.instructions:
+            if id(b) in body_live and b.opcode != "parameter":
+                self.refs[id(b)] = self.lower_inst(b, sid, body_live)
+        return (operand_refs, self.refs[id(body.root)])
+
+    def lower_collective(self, inst: Instruction, sid: int, ins: list[int]) -> Any:
+        slot = self.new_slot(inst)
+        self.ops.append(Op(inst, sid, ins, slot, extra={"spec": collective_spec(inst, self.module.num_partitions)}))
+        return (ins[0], slot) if inst.opcode in _PAIR_STARTS else slot
+
+    # ------------------------------------------------------------------ folding
+    def foldable(self, inst: Instruction, ins: list[int]) -> bool:
+        if inst.opcode in _FOLD_NEVER or inst.shape.is_tuple:
+            return False
+        if inst.opcode == "constant":
+            return True
+        return all(s in self.folded for s in ins) and inst.shape.numel <= FOLD_MAX_NUMEL
+
+    def fold(self, inst: Instruction, ins: list[int]) -> int:
+        from spmd.runtime.kernels import compile_kernel
+
+        fn = compile_kernel(inst)
+        slot = self.new_slot(inst)
+        self.folded[slot] = [fn([self.folded[s][k] for s in ins], None) for k in range(len(self.pids))]
+        return slot
+
+
+def reachable(root: Instruction) -> set[int]:
+    """ids of the instructions ``root`` depends on (itself included)."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        inst = stack.pop()
+        if id(inst) in seen:
+            continue
+        seen.add(id(inst))
+        stack.extend(inst.operands)
+    return seen
+
+
+def collective_spec(inst: Instruction, num_partitions: int) -> CollectiveSpec:
+    """The transport-independent description of a collective instruction.
+
+    Raises:
+      NotImplementedError: an all-reduce / reduce-scatter whose to_apply is not
+        add / maximum / minimum / multiply.
+    """
+    kind = _COLLECTIVE_KIND[inst.opcode]
+    a = inst.attrs
+    groups = tuple(tuple(g) for g in (a.get("replica_groups") or ((tuple(range(num_partitions))),)))
+    reduce_op = "add"
+    if a.get("to_apply") is not None:
+        reduce_op = a["to_apply"].root.opcode
+        if reduce_op not in ("add", "maximum", "minimum", "multiply"):
+            raise NotImplementedError(f"%{inst.name}: to_apply root {reduce_op!r} is not add/maximum/minimum/multiply")
+    shape = inst.shape.tuple_shapes[1] if inst.opcode in _PAIR_STARTS else inst.shape
+    dims = a.get("dimensions") or (0,)
+    return CollectiveSpec(kind=kind, groups=groups, dim=dims[0], split_dim=a.get("split_dimension", 0),
+                          concat_dim=a.get("concat_dimension", 0), reduce_op=reduce_op,
+                          pairs=tuple(tuple(p) for p in a.get("source_target_pairs", ())),
+                          out_dims=shape.dims, dtype=shape.torch_dtype)
+
+
+def flatten_ref(ref: Any) -> list[int]:
+    """Slots of a (possibly nested tuple) value reference, in order."""
+    if isinstance(ref, tuple):
+        return [s for r in ref for s in flatten_ref(r)]
+    return [ref]
+
+
+def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] | None = None,
+          buffers: Any = None, gpu: bool = False, fuse: bool = True) -> Program:
+    """Lower ``module``'s entry computation for the local devices.
+
+    Args:
+      module: a partitioned module (``is_partitioned``), scheduled (instruction order is the
+        issue order).
+      devices: torch device of each local device.
+      pids: partition id of each local device (default: 0..len(devices)-1).
+      buffers: a ``BufferAssignment`` (offsets_bytes, sizes_bytes, arena_size_bytes) or None.
+      gpu: emit event thunks for cross-stream joins and place persistent values on devices.
+      fuse: apply the peephole fusions of ``spmd.runtime.fusions``.
+    Returns:
+      The ``Program``.
+    Raises:
+      ValueError: the module is not partitioned, or uses tuple-valued parameters/operands.
+    """
+    if not module.is_partitioned:
+        raise ValueError(f"module: expected a partitioned module (is_partitioned=True), "
+                         f"got {module.name!r} unpartitioned")
+    pids = list(range(len(devices))) if pids is None else list(pids)
+    lw = _Lowerer(module, devices, pids, buffers, gpu)
+    entry = module.entry
+    lw.walk(entry, 0, reachable(entry.root))
+    params = entry.parameters
+    for p in params:  # unused parameters still get a slot for binding
+        if id(p) not in lw.refs:
+            lw.refs[id(p)] = lw.lower_inst(p, 0, set())
+    output_slots = flatten_ref(lw.refs[id(entry.root)])
+    outputs = set(output_slots)
+    if fuse:
+        fusions.fuse(lw.ops, outputs, buffers)
+    host_slots = _host_offset_slots(lw) if gpu else {}
+    arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
+    thunks, num_events = _build_thunks(lw, op_buffers, host_slots, gpu)
+    _attach_releases(thunks, lw, outputs, gpu)
+    templates = _templates(lw, host_slots, gpu)
+    clone = tuple(s in lw.folded or _in_arena(s, lw.ops, op_buffers) for s in output_slots)
+    streams = sorted({0} | {t.stream_id for t in thunks})
+    return Program(num_slots=lw.num_slots, thunks=thunks,
+                   param_slots=tuple(lw.param_slots[i] for i in range(len(params))),
+                   output_slots=tuple(output_slots), output_clone=clone, templates=templates,
+                   stream_ids=tuple(streams), num_events=num_events, arena_views=tuple(arena_views),
+                   arena_size_bytes=int(getattr(buffers, "arena_size_bytes", 0) or 0))
+
+
+def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:
+    """Folded slots read as dynamic-slice offsets -> a new slot holding the host copy."""
+    out: dict[int, int] = {}
+    for op in lw.ops:
+        first = op.extra.get("offset_from", _OFFSET_FROM.get(op.inst.opcode))
+        if first is None:
+            continue
+        for k in range(first, len(op.ins)):
+            s = op.ins[k]
+            if s in lw.folded:
+                if s not in out:
+                    out[s] = lw.new_slot(lw.slot_inst[s])
+                op.ins[k] = out[s]
+    return out
+
+
+def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaView], dict[int, int]]:
+    """Arena views for ops the BufferAssignment places (outputs never live in the arena)."""
+    views: list[ArenaView] = []
+    op_buffers: dict[int, int] = {}
+    if buffers is None:
+        return views, op_buffers
+    offsets = buffers.offsets_bytes
+    for k, op in enumerate(ops):
+        name = op.buffer_name
+        if "spec" in op.extra or name is None or name not in offsets or op.out in outputs:
+            continue
+        shape = op.inst.shape
+        if shape.is_tuple:
+            continue
+        op_buffers[k] = len(views)
+        views.append(ArenaView(int(offsets[name]), tuple(shape.dims), shape.torch_dtype))
+    return views, op_buffers
+
+
+def _in_arena(slot: int, ops: list[Op], op_buffers: dict[int, int]) -> bool:
+    return any(op.out == slot and k in op_buffers for k, op in enumerate(ops))
+
+
+def _build_thunks(lw: _Lowerer, op_buffers: dict[int, int], host_slots: dict[int, int],
+                  gpu: bool) -> tuple[list[Thunk], int]:
+    """Kernel / collective thunks, with record/wait event thunks for cross-stream joins on GPU."""
+    from spmd.runtime.kernels import compile_kernel
+
+    record_after, waits_before = _stream_joins(lw.ops) if gpu else ({}, {})
+    event_of = {p: e for e, p in enumerate(sorted(record_after))}
+    thunks: list[Thunk] = []
+    for k, op in enumerate(lw.ops):
+        for p in waits_before.get(k, ()):
+            thunks.append(WaitEventThunk(f"wait.{op.inst.name}", op.stream, event_of[p]))
+        if "spec" in op.extra:
+            thunks.append(CollectiveThunk(op.inst.name, op.stream, op.extra["spec"], op.ins[0], op.out))
+        else:
+            dev = lw.devices[0] if lw.devices else None
+            fn = op.fn if op.fn is not None else compile_kernel(op.inst, dev)
+            thunks.append(KernelThunk(op.inst.name, op.stream, fn, tuple(op.ins), op.out, op_buffers.get(k, -1),
+                                      work=_work(op)))
+        if k in event_of:
+            thunks.append(RecordEventThunk(f"record.{op.inst.name}", op.stream, event_of[k]))
+    return thunks, len(event_of)
+
+
+def _work(op: Op) -> int:
+    """Rough cost of an op: result elements, times the contracted size for a dot."""
+    if "work" in op.extra:
+        return op.extra["work"]
+    inst = op.inst
+    if inst.shape.is_tuple:
+        return 0
+    return fusions.dot_work(inst) if inst.opcode == "dot" else inst.shape.numel
+
+
+def _stream_joins(ops: list[Op]) -> tuple[set[int], dict[int, list[int]]]:
+    """Which ops need an event recorded after them, and which ops each op must wait for.
+
+    A vector clock per stream (stream -> index of the last op of that stream known complete)
+    skips a wait already implied by an earlier join. Parameters and persistent values are
+    ready on every stream (the executor forks every stream from the main stream at the start).
+    """
+    producer: dict[int, int] = {op.out: k for k, op in enumerate(ops)}
+    clocks: dict[int, dict[int, int]] = {}
+    snaps: list[dict[int, int]] = []
+    record_after: set[int] = set()
+    waits: dict[int, list[int]] = {}
+    for k, op in enumerate(ops):
+        a = op.stream
+        clock = clocks.setdefault(a, {})
+        reads = list(op.ins) + ([op.alias_of] if op.alias_of >= 0 else [])
+        # latest producer first: its join often implies the earlier ones
+        for p in sorted({producer[s] for s in reads if s in producer}, reverse=True):
+            if p >= k or ops[p].stream == a or clock.get(ops[p].stream, -1) >= p:
+                continue
+            record_after.add(p)
+            waits.setdefault(k, []).append(p)
+            for st, idx in snaps[p].items():
+                if clock.get(st, -1) < idx:
+                    clock[st] = idx
+        clock[a] = k
+        snaps.append(dict(clock))
+    return record_after, waits
+
+
+def _storage_streams(lw: _Lowerer) -> dict[int, set[int]]:
+    """Per slot, the streams that may have allocated the memory it refers to (views included)."""
+    out: dict[int, set[int]] = {}
+    for op in lw.ops:
+        streams = {op.stream}
+        if op.alias_of >= 0:
+            streams |= out.get(op.alias_of, set())
+        if "spec" not in op.extra and op.inst.opcode not in fusions.FRESH_OPCODES:
+            for s in op.ins:
+                streams |= out.get(s, set())
+        out[op.out] = streams
+    return out
+
+
+def _attach_releases(thunks: list[Thunk], lw: _Lowerer, outputs: set[int], gpu: bool) -> None:
+    """Set ``release`` on each slot's last reader when dropping it early is safe."""
+    last: dict[int, int] = {}
+    readers: dict[int, set[int]] = {}
+    for k, th in enumerate(thunks):
+        ins = th.ins if isinstance(th, KernelThunk) else (th.in_,) if isinstance(th, CollectiveThunk) else ()
+        for s in ins:
+            last[s] = k
+            readers.setdefault(s, set()).add(th.stream_id)
+    storage = _storage_streams(lw) if gpu else {}
+    per_thunk: dict[int, list[int]] = {}
+    for s, k in last.items():
+        if s in outputs or s in lw.folded:
+            continue
+        if gpu and len(readers[s] | storage.get(s, {0})) > 1:
+            continue
+        per_thunk.setdefault(k, []).append(s)
+    for k, slots in per_thunk.items():
+        thunks[k].release = tuple(slots)
+
+
+def _templates(lw: _Lowerer, host_slots: dict[int, int], gpu: bool) -> list[list[Any]]:
+    """Per local device, the initial slot list with persistent (folded) values filled in."""
+    templates = []
+    for k, dev in enumerate(lw.devices):
+        t: list[Any] = [None] * lw.num_slots
+        for s, values in lw.folded.items():
+            t[s] = values[k].to(dev) if gpu else values[k]
+        for s, h in host_slots.items():
+            t[h] = lw.folded[s][k]
+        templates.append(t)
+    return templates

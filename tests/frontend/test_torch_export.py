@@ -1,0 +1,153 @@
+"""Import PyTorch programs, run the HLO-lite through the runtime kernels, compare with PyTorch."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spmd.frontend.torch_export import UnsupportedOpError, import_program
+
+from .helpers import assert_close_tree, run_imported
+from .models import MLP, Block, LlamaBlock, TinyLM
+
+
+def opcodes(prog) -> collections.Counter:
+    return collections.Counter(i.opcode for i in prog.module.entry.instructions)
+
+
+def check(fn, args, kwargs=None, rtol=1e-5, atol=1e-5):
+    prog, got = run_imported(fn, args, kwargs)
+    with torch.no_grad():
+        want = fn(*args, **(kwargs or {}))
+    assert_close_tree(got, want, rtol=rtol, atol=atol)
+    return prog
+
+
+def test_mlp_gelu_and_compact_linear():
+    for approximate in ("none", "tanh"):
+        model = MLP(approximate=approximate).eval()
+        prog = check(model, (torch.randn(3, 5, 16),))
+        ops = opcodes(prog)
+        # two linears: one dot + one broadcast bias + one add each; gelu is one custom call
+        assert ops["dot"] == 2 and ops["add"] == 2 and ops["broadcast"] == 2
+        assert ops["custom-call"] == 1 and ops["reshape"] == 0 and ops["transpose"] == 0
+    assert prog.param_names == ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    assert prog.input_names == ("x",) + prog.param_names
+
+
+def test_program_metadata_and_locations():
+    prog = import_program(MLP().eval(), (torch.randn(2, 16),))
+    entry = prog.module.entry
+    params = entry.parameters
+    assert [p.attrs["parameter_number"] for p in params] == list(range(5))
+    assert [p.shape.dims for p in params] == [(2, 16), (64, 16), (64,), (16, 64), (16,)]
+    dot = next(i for i in entry.instructions if i.opcode == "dot")
+    assert dot.location.op_name == "aten.linear.default"
+    assert dot.location.source_file.endswith("models.py") and dot.location.source_line > 0
+    assert prog.module.mesh.axis_names == ()
+
+
+@pytest.mark.parametrize("use_sdpa", [False, True])
+def test_transformer_block_with_mask(use_sdpa):
+    model = Block(use_sdpa=use_sdpa).eval()
+    x = torch.randn(2, 6, 32)
+    mask = torch.rand(6, 6) > 0.3
+    mask |= torch.eye(6, dtype=torch.bool)
+    prog = check(model, (x, mask))
+    targets = {i.attrs["custom_call_target"] for i in prog.module.entry.instructions if i.opcode == "custom-call"}
+    assert targets == {"layer-norm", "gelu", "attention" if use_sdpa else "softmax"}
+
+
+def test_llama_block_and_embedding_model():
+    check(LlamaBlock().eval(), (torch.randn(2, 7, 32),))
+    prog = check(TinyLM().eval(), (torch.randint(0, 50, (2, 9)),))
+    assert opcodes(prog)["gather"] == 1
+
+
+def test_function_with_kwargs_scalars_and_promotion():
+    def f(x, y, *, scale):
+        i = torch.arange(x.shape[-1])                       # s64 iota
+        z = x * scale + i                                   # float * python float + int tensor
+        w = (y > 0).float() * 2 - y.to(torch.bfloat16).float()
+        m = torch.where(x > 0.5, x, -1.0).amax(dim=0)
+        return {"z": z / 3, "w": w.sum(), "m": m, "r": torch.relu(y).clamp(max=0.7)}
+
+    args = (torch.randn(4, 6), torch.randn(4, 6))
+    check(f, args, {"scale": 1.5})
+
+
+def test_int_and_bool_ops():
+    def f(a, b):
+        q = torch.div(a, b, rounding_mode="trunc")
+        s = (a > b).sum(dim=1)                 # bool sum -> s64
+        return q, s, a % b + torch.fmod(a, b) * 10, (a.float() % -2.5), ~(a > 0) | (b == 3)
+
+    a = torch.randint(-20, 20, (3, 5))
+    b = torch.randint(1, 6, (3, 5))
+    check(f, (a, b))
+
+
+def test_shape_ops():
+    def f(x, y):
+        a = x.permute(2, 0, 1).reshape(6, -1).t().contiguous()
+        b = torch.cat([x[:, 1:], x[:, :1]], dim=1).unsqueeze(0).squeeze(0)
+        c = torch.stack([y, y * 2], dim=1)
+        d = x.select(1, 2) + y[None, :3].expand(2, 3)
+        e = list(torch.split(x, [1, 2], dim=2))
+        return a, b, c, d, e[0] * e[1][..., :1], x.flatten(1), x.mean(), y.var(), torch.var_mean(x, dim=1)
+
+    check(f, (torch.randn(2, 4, 3), torch.randn(5)))
+
+
+def test_matmul_forms():
+    def f(a, b, c, v, m):
+        return (a @ b, v @ b, a[0] @ v[:4].view(4, 1).expand(4, 3), m @ c, torch.addmm(v[:3], m, c),
+                torch.baddbmm(a[..., :3], a, b, alpha=0.5, beta=2.0), m @ b)
+
+    a = torch.randn(2, 3, 4)
+    b = torch.randn(2, 4, 3)
+    check(f, (a, b, torch.randn(4, 3), torch.randn(4), torch.randn(3, 4)), rtol=1e-5, atol=1e-5)
+
+
+def test_creation_and_masked_fill():
+    def f(x):
+        causal = torch.ones(4, 4, dtype=torch.bool).tril()
+        s = x.masked_fill(~causal, float("-inf"))
+        return (torch.softmax(s, -1) + torch.zeros_like(x) + torch.full((4, 4), 0.25),
+                torch.arange(1, 9, 2, dtype=torch.float32), F.log_softmax(x, dim=0))
+
+    check(f, (torch.randn(4, 4),))
+
+
+def test_bf16_program():
+    model = MLP().eval().to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    check(model, (x,), rtol=1e-2, atol=1e-2)
+
+
+def test_unsupported_op_names_op_and_user_line():
+    def f(x):
+        y = x + 1
+        return torch.sort(y, dim=-1).values  # the unsupported line
+
+    with pytest.raises(UnsupportedOpError, match=r"aten\.sort.*test_torch_export\.py:\d+") as info:
+        import_program(f, (torch.randn(3, 4),))
+    assert isinstance(info.value, TypeError)
+    line = int(str(info.value).split("test_torch_export.py:")[1].split(":")[0].split()[0])
+    src = open(__file__).read().splitlines()[line - 1]
+    assert "torch.sort" in src
+
+
+def test_unsupported_fft_and_argmax_use():
+    with pytest.raises(UnsupportedOpError, match="fft"):
+        import_program(lambda x: torch.fft.fft(x).real, (torch.randn(8),))
+    with pytest.raises(UnsupportedOpError, match="indices"):
+        import_program(lambda x: x.max(dim=-1).indices.float() + x.max(dim=-1).values, (torch.randn(3, 8),))
+
+
+def test_dropout_in_training_mode_is_rejected():
+    with pytest.raises(UnsupportedOpError, match="dropout"):
+        import_program(Block().train(), (torch.randn(2, 4, 32),))

@@ -1,0 +1,120 @@
+import pickle
+
+import pytest
+import torch
+
+from spmd.ir.sharding import MeshShape
+from spmd.mesh import Mesh
+
+
+def test_one_axis_takes_all_devices():
+    mesh = Mesh.create(("tp",), devices="cpu:4")
+    assert mesh.shape == MeshShape(("tp",), (4,))
+    assert mesh.platform == "cpu" and mesh.kind == "cpu"
+    assert mesh.device_ids == (0, 1, 2, 3)
+    assert mesh.devices == (torch.device("cpu"),) * 4
+    assert mesh.num_devices == 4
+    assert repr(mesh) == "Mesh({'tp': 4}, devices=cpu:0-3)"
+
+
+def test_dict_axes_row_major():
+    mesh = Mesh.create({"dp": 2, "tp": 4}, devices="cpu:8")
+    assert mesh.axis_names == ("dp", "tp")
+    assert mesh.axis_sizes == (2, 4)
+    assert mesh.axis_size("tp") == 4
+    assert mesh.shape.coords(5) == {"dp": 1, "tp": 1}
+    assert repr(mesh) == "Mesh({'dp': 2, 'tp': 4}, devices=cpu:0-7)"
+
+
+def test_pairs_of_names_and_sizes():
+    assert Mesh.create((("dp", 2), ("tp", 2)), devices="cpu:4") == Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4")
+
+
+def test_bare_cpu_and_string_axis():
+    assert Mesh.create({"a": 2, "b": 3}, devices="cpu").num_devices == 6
+    assert Mesh.create("x", devices="cpu").num_devices == 1
+    assert repr(Mesh.create("x", devices="cpu")) == "Mesh({'x': 1}, devices=cpu:0)"
+
+
+def test_device_list_of_cpu_devices():
+    mesh = Mesh.create(("x",), devices=[torch.device("cpu")] * 3)
+    assert mesh.device_ids == (0, 1, 2) and mesh.platform == "cpu"
+
+
+def test_equality_and_hash_key_caches():
+    a = Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4")
+    b = Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4")
+    c = Mesh.create({"tp": 2, "dp": 2}, devices="cpu:4")
+    d = Mesh.create({"x": 4}, devices="cpu:4")
+    assert a == b and hash(a) == hash(b)
+    assert a != c and a != d
+    assert {a: 1}[b] == 1
+    assert pickle.loads(pickle.dumps(a)) == a
+
+
+def test_sizes_product_mismatch():
+    msg = r"axes: sizes \{'dp': 2, 'tp': 3\} multiply to 6 devices, but devices gives 4"
+    with pytest.raises(ValueError, match=msg):
+        Mesh.create({"dp": 2, "tp": 3}, devices="cpu:4")
+
+
+def test_several_axes_need_sizes():
+    with pytest.raises(ValueError, match="pass a dict name -> size"):
+        Mesh.create(("dp", "tp"), devices="cpu:4")
+
+
+def test_duplicate_axis_names():
+    with pytest.raises(ValueError, match=r"unique axis names.*\['x'\] repeated"):
+        Mesh.create(("x", "x"), devices="cpu:4")
+    with pytest.raises(ValueError, match=r"unique axis names.*\['x'\] repeated"):
+        Mesh.create((("x", 2), ("x", 2)), devices="cpu:4")
+    with pytest.raises(ValueError, match="must be unique"):
+        Mesh(MeshShape(("x", "x"), (2, 2)), "cpu", (0, 1, 2, 3))
+
+
+def test_mesh_larger_than_gpus_present():
+    present = Mesh.local_devices_count("cuda")
+    with pytest.raises(ValueError, match=f"needs {present + 1} CUDA devices, but {present} are present"):
+        Mesh.create("tp", devices=f"cuda:{present + 1}")
+    with pytest.raises(ValueError, match=f"expected CUDA ordinals < {present}"):
+        Mesh.create("tp", devices=[present])
+
+
+@pytest.mark.parametrize("bad", ["tpu:4", "cpu:0", "cpu:x", "cuda:-1"])
+def test_bad_device_strings(bad):
+    with pytest.raises(ValueError, match="devices: expected"):
+        Mesh.create("tp", devices=bad)
+
+
+def test_bad_types_and_sizes():
+    with pytest.raises(TypeError, match="axes"):
+        Mesh.create(4, devices="cpu:4")
+    with pytest.raises(ValueError, match="sizes >= 1"):
+        Mesh.create({"x": 0}, devices="cpu:4")
+    with pytest.raises(ValueError, match="all 'cpu' or all 'cuda'"):
+        Mesh.create("x", devices=[torch.device("cpu"), torch.device("meta")])
+    with pytest.raises(ValueError, match="platform"):
+        Mesh(MeshShape(("x",), (2,)), "tpu", (0, 1))
+    with pytest.raises(ValueError, match="needs 2 devices, got 3"):
+        Mesh(MeshShape(("x",), (2,)), "cpu", (0, 1, 2))
+
+
+def test_repr_of_permuted_cuda_ids():
+    mesh = Mesh(MeshShape(("x",), (4,)), "cuda", (0, 2, 1, 3))
+    assert repr(mesh) == "Mesh({'x': 4}, devices=cuda:[0,2,1,3])"
+    assert mesh.devices[1] == torch.device("cuda", 2)
+
+
+def test_local_devices_count():
+    assert Mesh.local_devices_count("cpu") >= 1
+    assert Mesh.local_devices_count("cuda") == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    with pytest.raises(ValueError, match="platform"):
+        Mesh.local_devices_count("tpu")
+
+
+@pytest.mark.gpu
+def test_cuda_mesh():
+    mesh = Mesh.create("tp", devices="cuda")
+    assert mesh.platform == "cuda"
+    assert mesh.devices[0] == torch.device("cuda", 0)
+    assert Mesh.create("tp", devices=[0]).device_ids == (0,)
