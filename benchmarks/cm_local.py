@@ -248,7 +248,8 @@ def spmd_variant(p: Problem, si: SpmdInputs, options: dict[str, Any], ref: Any |
                  ) -> tuple[Callable[[], Any], dict[str, Any]]:
     """Compile ``x @ w`` with ``options``, run it once, check it; returns (callable, info).
 
-    ``info`` holds ``compile_s`` and, when ``ref`` is given, ``rel_err`` against it.
+    ``info`` holds ``compile_s``, ``hlo`` (collective counts of the last compiler stage's text)
+    and, when ``ref`` is given, ``rel_err`` against it.
     Raises whatever spmd raises; the caller marks the variant n/a.
     """
     spmd, P = si.spmd, si.spmd.PartitionSpec
@@ -256,13 +257,41 @@ def spmd_variant(p: Problem, si: SpmdInputs, options: dict[str, Any], ref: Any |
     f = spmd.jit(matmul, mesh=si.mesh, in_shardings=(P(*xs), P(*ws)), out_shardings=P(*outs),
                  options=spmd.CompileOptions(**options))
     t0 = time.perf_counter()
-    compiled = f.lower(*si.args).compile()
+    lowered = f.lower(*si.args)
+    compiled = lowered.compile()
     info: dict[str, Any] = {"compile_s": round(time.perf_counter() - t0, 3)}
+    try:
+        info["hlo"] = common.hlo_op_counts(lowered.as_text(lowered.stages[-1]))
+    except Exception as exc:  # the text is a diagnostic only
+        info["hlo_error"] = f"{type(exc).__name__}: {exc}"[:200]
     result = compiled(*si.args)
     common.synchronize(p.devices)
     if ref is not None:
-        info["rel_err"] = common.rel_error(result.to_torch(), ref)
+        info["rel_err"] = result_rel_error(result, ref)
     return (lambda: join_ready(compiled(*si.args))), info
+
+
+def result_rel_error(result: Any, ref: Any) -> float:
+    """Relative error of a ShardedArray against the global ``ref``, shard by shard on ``ref``'s device.
+
+    sqrt(sum ||shard - ref[index]||^2 / sum ||ref[index]||^2) over the shards (replicas count
+    in both sums alike), without assembling the global array on the host; falls back to
+    ``to_torch()`` when the array has no ``shards``. NaN/inf gives ``inf``.
+    """
+    import torch
+
+    shards = getattr(result, "shards", None)
+    if shards is None:
+        return common.rel_error(result.to_torch(), ref)
+    result.block_until_ready()
+    num = den = 0.0
+    for shard in shards:
+        r = ref[shard.index].float()
+        num += float((shard.data.to(ref.device, torch.float32) - r).norm()) ** 2
+        den += float(r.norm()) ** 2
+    if not math.isfinite(num) or den == 0.0:
+        return math.inf
+    return math.sqrt(num / den)
 
 
 def join_ready(result: Any) -> Any:
@@ -283,6 +312,24 @@ def join_ready(result: Any) -> Any:
         if ev is not None and torch.device(dev).type == "cuda":
             torch.cuda.current_stream(dev).wait_event(ev)
     return result
+
+
+def drop_spmd_executables() -> None:
+    """Free spmd's compiled executables (and their device buffers) between sides and shapes.
+
+    Calls ``spmd.jit.clear_cache()`` where it exists, else empties the process-wide cache
+    ``spmd.jit._GLOBAL_CACHE``; silently does nothing if neither is there.
+    """
+    mod = sys.modules.get("spmd.jit")  # the submodule: ``spmd.jit`` the attribute is the function
+    if mod is None:
+        return
+    clear = getattr(mod, "clear_cache", None)
+    if callable(clear):
+        clear()
+        return
+    cache = getattr(mod, "_GLOBAL_CACHE", None)
+    if isinstance(cache, dict):
+        cache.clear()
 
 
 def reps_for(shape: Sequence[int], tp: int, reps: int) -> int:
@@ -317,6 +364,9 @@ def run_side(side: str, x: Any, w: Any, ref: Any | None, devices: Sequence[Any],
                 log(f"{side} {p.shape} {name}: n/a ({failed[name]})")
     reps = reps_for(p.shape, len(devices), args.reps)
     results = common.interleaved(variants, p.devices, rounds=args.rounds, warmup=args.warmup, reps=reps, log=log)
+    variants.clear()
+    if not args.no_spmd:
+        drop_spmd_executables()
     records = []
     for name in [*results, *failed]:
         m = results.get(name)

@@ -29,7 +29,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common
+from benchmarks import common, reporting
 from benchmarks.cm_local import BF16_TOLERANCE, SPMD_VARIANTS, build_parser, finish_args
 
 PLOT_NAME = "benchmarks_collective_matmul.png"
@@ -84,18 +84,19 @@ def side_table(idx: dict[tuple, dict[str, Any]], side: str, shapes: Sequence[tup
     rows = []
     for s in shapes:
         loc = limit_ms(idx, "local", side, s)
-        row = [", ".join(map(str, s)), common.fmt_ms(loc),
-               common.fmt_ms(idx.get(("local", side, s, "compute"), {}).get("ms")),
-               common.fmt_ms(idx.get(("local", side, s, "comm"), {}).get("ms"))]
+        row = [", ".join(map(str, s)), reporting.fmt_ms(loc),
+               reporting.fmt_ms(idx.get(("local", side, s, "compute"), {}).get("ms")),
+               reporting.fmt_ms(idx.get(("local", side, s, "comm"), {}).get("ms"))]
         for source, variant in cols:
             rec = idx.get((source, side, s, variant), {})
             ms = rec.get("ms")
             lim = limit_ms(idx, source, side, s)
-            cell = "n/a" if ms is None else f"{common.fmt_ms(ms)} {common.fmt_ratio(common.ratio(ms, lim))}"
+            cell = "n/a" if ms is None else f"{reporting.fmt_ms(ms)} {reporting.fmt_ratio(common.ratio(ms, lim))}"
             err = rec.get("rel_err")
             if ms is not None and err is not None and not err < BF16_TOLERANCE:
                 cell += " WRONG"
-            if source == "xla-windowed" and rec.get("hlo", {}).get("collective-permute") == 0:
+            windowed = source == "xla-windowed" or SPMD_VARIANTS.get(variant, {}).get("windowed_einsum") == "on"
+            if windowed and rec.get("hlo", {}).get("collective-permute") == 0:
                 cell += " (no CP)"
             if rec.get("events_suspect"):
                 cell += " (events?)"
@@ -115,7 +116,7 @@ def notes(idx: dict[tuple, dict[str, Any]], side: str) -> list[str]:
         name = f"{source}/{variant}"
         if rec.get("rel_err") is not None:
             worst[name] = max(worst.get(name, 0.0), float(rec["rel_err"]))
-        if rec.get("hlo"):
+        if rec.get("hlo") and source.startswith("xla"):
             hlo.append(f"{source} compiled HLO {shape}: " + ", ".join(f"{k} {v}" for k, v in rec["hlo"].items()))
         if rec.get("error"):
             failures.setdefault((source, str(rec["error"])[:200]), []).append(f"{variant} {shape}")
@@ -205,11 +206,11 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
     for side in args.sides:
         headers, rows = side_table(idx, side, shapes)
         title = f"{SIDE_TITLES[side]}, tp={args.tp}, bf16: time ms ×own limit"
-        common.print_table(title, headers, rows)
+        reporting.print_table(title, headers, rows)
         side_notes = notes(idx, side)
         for line in side_notes:
             print("  " + line)
-        body.append(f"### {title}\n\n{common.markdown_table(headers, rows)}\n")
+        body.append(f"### {title}\n\n{reporting.markdown_table(headers, rows)}\n")
         body.append("\n".join(f"- {n}" for n in side_notes) + "\n")
         labels = [",".join(map(str, s)) for s in shapes]
         panels.append((f"{SIDE_TITLES[side]} (tp={args.tp})", labels,
@@ -217,14 +218,14 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
     results = {"info": info, "args": {k: v for k, v in vars(args).items() if k != "shapes"},
                "shapes": shapes, "children": status, "records": records}
     out = Path(args.out)
-    common.write_json(out / "cm_results.json", results)
+    reporting.write_json(out / "cm_results.json", results)
     pngs = [out / PLOT_NAME] + ([Path(args.doc).parent / PLOT_NAME] if args.doc else [])
-    written = common.plot_grouped_bars(pngs, panels)
+    written = reporting.plot_grouped_bars(pngs, panels)
     if args.doc:
         run_line = "Children: " + ", ".join(f"{s['name']} ({'ok' if s['ok'] else 'failed'}, "
                                             f"{s['elapsed_s']} s)" for s in status)
         plot = f"\n![collective matmul]({PLOT_NAME})\n" if written else ""
-        common.append_row_set(Path(args.doc), f"collective matmul, tp={args.tp}", info,
+        reporting.append_row_set(Path(args.doc), f"collective matmul, tp={args.tp}", info,
                               run_line + "\n\n" + "\n".join(body) + plot)
     return results
 
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--skip: expected names from {list(SHARES)}, got {bad}")
     deadline = common.Deadline(args.budget_s)
     common.install_sigterm_handler()
-    info = common.hardware_info()
+    info = reporting.hardware_info()
     print(f"collective matmul: tp={args.tp} shapes={args.shapes} sides={args.sides} budget={args.budget_s}s",
           flush=True)
     records, status = run_children(args, deadline)

@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: environment, timing, child processes, tables, docs rows, plots.
+"""Shared benchmark helpers: environment, timing, fresh inputs, child processes (reports: reporting.py).
 
 Timing follows the lent-GPU method (CUDA events around the region, warm-up, many reps, median)
 and interleaves variants over rounds (A B C, A B C, ...) because GPU clocks sink under sustained
@@ -12,15 +12,12 @@ torch is imported lazily so that a JAX child process can use this module without
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -270,19 +267,30 @@ def fresh_randn(shape: Sequence[int], dtype: Any, device: Any, seed: int, scale:
 
 
 def rel_error(out: Any, ref: Any) -> float:
-    """``||out - ref|| / ||ref||`` (Frobenius, computed in float64 on ``ref``'s device).
+    """``||out - ref|| / ||ref||`` (Frobenius, on ``ref``'s device).
 
-    Returns ``inf`` if the result has NaN/inf or ``ref`` is zero; ValueError on shape mismatch.
+    Computed in float64 up to 2**24 elements, in float32 above (to bound memory; the rounding
+    of the norms is far below the 1e-3 errors of interest). Returns ``inf`` if the result has
+    NaN/inf or ``ref`` is zero; ValueError on shape mismatch.
     """
+    import torch
+
     if tuple(out.shape) != tuple(ref.shape):
         raise ValueError(f"rel_error: shape mismatch, out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
-    o = out.to(device=ref.device).double()
-    r = ref.double()
+    dtype = torch.float64 if ref.numel() <= 2**24 else torch.float32
+    o = out.to(device=ref.device, dtype=dtype)
+    r = ref.to(dtype)
     den = float(r.norm())
     num = float((o - r).norm())
     if not math.isfinite(num) or den == 0.0:
         return math.inf
     return num / den
+
+
+def hlo_op_counts(hlo_text: str, ops: Sequence[str] = ("collective-permute", "all-gather", "reduce-scatter",
+                                                         "all-reduce")) -> dict[str, int]:
+    """How many instructions of each opcode (sync or ``-start`` async form) ``hlo_text`` holds."""
+    return {op: hlo_text.count(f" {op}(") + hlo_text.count(f" {op}-start(") for op in ops}
 
 
 # ----------------------------------------------------------------------------- child processes
@@ -294,12 +302,17 @@ def emit(record: Mapping[str, Any]) -> None:
 
 
 def parse_records(text: str) -> list[dict[str, Any]]:
-    """All JSON records printed by :func:`emit` in ``text``; malformed lines are skipped."""
+    """All JSON records printed by :func:`emit` in ``text``; malformed lines are skipped.
+
+    The prefix may come after other text on the line (a launcher such as torchrun may prefix
+    each worker line with its rank).
+    """
     records = []
     for line in text.splitlines():
-        if line.startswith(JSON_PREFIX):
+        at = line.find(JSON_PREFIX)
+        if at >= 0:
             try:
-                records.append(json.loads(line[len(JSON_PREFIX):]))
+                records.append(json.loads(line[at + len(JSON_PREFIX):]))
             except json.JSONDecodeError:
                 continue
     return records
@@ -385,7 +398,7 @@ def run_child(name: str, cmd: Sequence[str], timeout_s: float, env: Mapping[str,
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if not line.startswith(JSON_PREFIX):
+            if JSON_PREFIX not in line:
                 log(f"[{name}] {line.rstrip()}")
 
     reader = threading.Thread(target=pump, daemon=True)
@@ -402,143 +415,6 @@ def run_child(name: str, cmd: Sequence[str], timeout_s: float, env: Mapping[str,
     rc = None if timed_out else proc.returncode
     log(f"[{name}] {'timed out' if timed_out else f'exit {rc}'} after {elapsed:.1f} s")
     return ChildResult(name, parse_records(text), rc, timed_out, elapsed, text[-4000:])
-
-
-# ----------------------------------------------------------------------------- reports
-
-
-def hardware_info() -> dict[str, Any]:
-    """GPU name and count, and torch / CUDA / NCCL / JAX versions (JAX read from metadata only)."""
-    from importlib import metadata
-
-    info: dict[str, Any] = {"host": platform.node(), "python": platform.python_version()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["cuda"] = torch.version.cuda
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        info["gpu_count"] = n
-        info["gpu"] = torch.cuda.get_device_name(0) if n else "none"
-        try:
-            info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version()) if n else None
-        except Exception:
-            info["nccl"] = None
-    except ImportError:
-        info["torch"] = None
-    for pkg in ("jax", "jaxlib"):
-        try:
-            info[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            info[pkg] = None
-    return info
-
-
-def hardware_line(info: Mapping[str, Any]) -> str:
-    """One-line hardware / software summary for a docs row set."""
-    return (f"{info.get('gpu_count', 0)}× {info.get('gpu', '?')}; torch {info.get('torch')}, "
-            f"CUDA {info.get('cuda')}, NCCL {info.get('nccl')}, JAX {info.get('jax')}, "
-            f"Python {info.get('python')}")
-
-
-def fmt_ms(value: float | None) -> str:
-    """Milliseconds with 3 significant decimals, or ``n/a``."""
-    return "n/a" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.2f}")
-
-
-def fmt_ratio(value: float | None) -> str:
-    """A ratio as ``×1.23``, or ``n/a``."""
-    return "n/a" if value is None else f"×{value:.2f}"
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """GitHub markdown table; ValueError if a row's width differs from the header's."""
-    for row in rows:
-        if len(row) != len(headers):
-            raise ValueError(f"markdown_table: row has {len(row)} cells, expected {len(headers)}: {row}")
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print a table with rich (wide console, no wrapping); plain markdown if rich is missing."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(f"\n{title}\n{markdown_table(headers, rows)}", flush=True)
-        return
-    table = Table(title=title, show_lines=False)
-    for h in headers:
-        table.add_column(h, no_wrap=True)
-    for row in rows:
-        table.add_row(*[str(c) for c in row])
-    Console(width=250, force_terminal=False).print(table)
-    sys.stdout.flush()
-
-
-DOC_HEADER = "# Benchmarks\n\nRow sets are appended by the benchmark scripts, newest last.\n"
-
-
-def append_row_set(doc_path: Path, title: str, info: Mapping[str, Any], body: str,
-                   when: _dt.datetime | None = None) -> str:
-    """Append a dated section (``## <date> — title``, hardware line, ``body``) to ``doc_path``.
-
-    Creates the file with a header if it does not exist. Returns the appended text.
-    """
-    when = when or _dt.datetime.now()
-    text = f"\n## {when:%Y-%m-%d %H:%M} — {title}\n\nHardware: {hardware_line(info)}.\n\n{body.rstrip()}\n"
-    doc_path = Path(doc_path)
-    doc_path.parent.mkdir(parents=True, exist_ok=True)
-    if not doc_path.exists():
-        doc_path.write_text(DOC_HEADER)
-    with doc_path.open("a") as fh:
-        fh.write(text)
-    return text
-
-
-def plot_grouped_bars(paths: Sequence[Path], panels: Sequence[tuple[str, list[str], dict[str, list[float | None]]]],
-                      ylabel: str = "× limit") -> list[Path]:
-    """Save one PNG (to every path) with one bar-chart panel per ``(title, groups, series)``.
-
-    ``series`` maps a variant name to one value per group (None = missing, drawn as no bar).
-    A dashed line marks 1.0. Returns the paths written; [] if matplotlib is missing.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 4.5 * len(panels)), squeeze=False)
-    for ax, (title, groups, series) in zip(axes[:, 0], panels, strict=True):
-        width = 0.8 / max(1, len(series))
-        for i, (name, values) in enumerate(series.items()):
-            xs = [g + i * width for g, v in enumerate(values) if v is not None]
-            ys = [v for v in values if v is not None]
-            ax.bar(xs, ys, width=width, label=name)
-        ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
-        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=8)
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
-    written = []
-    for path in paths:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        written.append(Path(path))
-    plt.close(fig)
-    return written
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` as indented JSON to ``path`` (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str))
 
 
 class Deadline:

@@ -30,7 +30,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common
+from benchmarks import common, reporting
 
 WORKLOAD_NAMES = ("add", "mlp", "block", "minilm")
 SOURCES = {"torch-eager": "torch eager (1 GPU)", "spmd-eager": "spmd eager", "spmd-graphs": "spmd graphs",
@@ -177,17 +177,17 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
     """Print the table and notes, write dispatch_results.json, append the docs row set."""
     headers, rows = table(records, args.workloads)
     title = f"dispatch, tp={args.tp}: host µs per call, enqueue-only / synced"
-    common.print_table(title, headers, rows)
+    reporting.print_table(title, headers, rows)
     lines = [_note(r) for r in records
              if r.get("kind") == "dispatch" and (r.get("error") or r.get("rel_err") is not None)]
     for line in lines:
         print("  " + line)
-    common.write_json(Path(args.out) / "dispatch_results.json",
+    reporting.write_json(Path(args.out) / "dispatch_results.json",
                       {"info": info, "args": vars(args), "children": status, "records": records})
     if args.doc:
-        body = (f"### {title}\n\n{common.markdown_table(headers, rows)}\n\n"
+        body = (f"### {title}\n\n{reporting.markdown_table(headers, rows)}\n\n"
                 + "\n".join(f"- {line}" for line in lines))
-        common.append_row_set(Path(args.doc), f"dispatch, tp={args.tp}", info, body)
+        reporting.append_row_set(Path(args.doc), f"dispatch, tp={args.tp}", info, body)
 
 
 def _note(r: dict[str, Any]) -> str:
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     deadline = common.Deadline(args.budget_s)
     common.install_sigterm_handler()
-    info = common.hardware_info()
+    info = reporting.hardware_info()
     print(f"dispatch: tp={args.tp} workloads={args.workloads} budget={args.budget_s}s", flush=True)
     records, status = run_children(args, deadline)
     report(records, status, args, info)

@@ -56,7 +56,7 @@ stage_budget() {
     [ $seen -eq 1 ] && total=$(( total + ${WEIGHT[$s]:-0} ))
   done
   [ $total -eq 0 ] && { echo 0; return; }
-  local b=$(( left * ${WEIGHT[$1]} / total ))
+  local b=$(( left * ${WEIGHT[$1]:-0} / total ))
   [ $b -lt 0 ] && b=0
   echo $b
 }
@@ -81,7 +81,7 @@ env_stage() {
   timeout 20 nvidia-smi topo -m || true
   echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST" \
        "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS XLA_PYTHON_CLIENT_PREALLOCATE=$XLA_PYTHON_CLIENT_PREALLOCATE"
-  timeout 60 python3 -c 'from benchmarks.common import hardware_info; print(hardware_info())' || echo "version probe failed"
+  timeout 60 python3 -c 'from benchmarks.reporting import hardware_info; print(hardware_info())' || echo "version probe failed"
   if [ "${INSTALL:-0}" = 1 ]; then
     timeout 90 python3 -m pip install --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 \
       && echo "pip install -e . ok" || echo "pip install -e . failed; using PYTHONPATH=$REPO"

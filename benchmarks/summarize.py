@@ -16,7 +16,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common
+from benchmarks import common, reporting
 from benchmarks.collective_matmul import SIDE_TITLES, index_records, limit_ms
 
 
@@ -35,11 +35,11 @@ def cm_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             spmd = [(r("local", v), v) for (src, _, shp, v) in idx
                     if src == "local" and shp == shape and v.startswith("spmd") and r("local", v) is not None]
             best = min(spmd) if spmd else None
-            rows.append([side, ", ".join(map(str, shape)), common.fmt_ms(limit_ms(idx, "local", side, shape)),
-                         common.fmt_ratio(r("local", "serial")),
-                         "n/a" if best is None else f"{common.fmt_ratio(best[0])} {best[1].removeprefix('spmd:')}",
-                         common.fmt_ratio(r("torch", "fused")), common.fmt_ratio(r("xla", "xla")),
-                         common.fmt_ratio(r("xla-windowed", "xla"))])
+            rows.append([side, ", ".join(map(str, shape)), reporting.fmt_ms(limit_ms(idx, "local", side, shape)),
+                         reporting.fmt_ratio(r("local", "serial")),
+                         "n/a" if best is None else f"{reporting.fmt_ratio(best[0])} {best[1].removeprefix('spmd:')}",
+                         reporting.fmt_ratio(r("torch", "fused")), reporting.fmt_ratio(r("xla", "xla")),
+                         reporting.fmt_ratio(r("xla-windowed", "xla"))])
     return headers, rows
 
 
@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(path.read_text())
         if builder is not None:
             headers, rows = builder(results)
-            common.print_table("collective matmul: × own limit", headers, rows)
+            reporting.print_table("collective matmul: × own limit", headers, rows)
         else:
             from benchmarks.dispatch import table
 
             headers, rows = table(results.get("records", []), results.get("args", {}).get("workloads", []))
-            common.print_table("dispatch: host µs per call, enqueue / synced", headers, rows)
+            reporting.print_table("dispatch: host µs per call, enqueue / synced", headers, rows)
         for line in failed_children(results):
             print(f"  child failed: {line}")
     return 0

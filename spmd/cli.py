@@ -344,8 +344,8 @@ def _finish_args(args) -> None:
     if args.command != "run":
         return
     minilm = args.model == "minilm"
-    args.batch = args.batch or (16 if minilm else 1)
-    args.seq = args.seq or (128 if minilm else 2048)
+    args.batch = (16 if minilm else 1) if args.batch is None else args.batch
+    args.seq = (128 if minilm else 2048) if args.seq is None else args.seq
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" and not minilm else "float32")
     args.torch_dtype = DTYPES[args.dtype]
     for name in ("batch", "seq", "layers", "iters"):

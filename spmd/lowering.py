@@ -131,7 +131,7 @@ def _annotate(module: Module, mesh, in_leaves, out_shardings, out_tree) -> None:
             module.fresh_name(f"output.{k}.sharding"), "custom-call", value.shape, [value],
             {"custom_call_target": "Sharding"}, sharding=named.to_tensor_sharding(value.shape.rank))
         entry = module.entry
-        entry.instructions.insert(entry.instructions.index(root), constraint)
+        entry.instructions.insert(entry.instructions.index(root) + (root.opcode != "tuple"), constraint)
         if root.opcode == "tuple":
             root.operands[k] = constraint
         else:

@@ -59,11 +59,6 @@ def _batched(fn: Callable[[], Any], k: int) -> Callable[[], None]:
     return run
 
 
-def _hlo_counts(compiled_text: str) -> dict[str, int]:
-    return {op: compiled_text.count(f" {op}(") + compiled_text.count(f" {op}-start(")
-            for op in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
-
-
 def cm_side(side: str, shape: tuple[int, int, int], mesh: Any, seed: int, args: argparse.Namespace,
             label: str) -> None:
     """Time xla / compute / comm for one side of one shape and emit the records."""
@@ -85,7 +80,7 @@ def cm_side(side: str, shape: tuple[int, int, int], mesh: Any, seed: int, args: 
     kx, kw = jax.random.split(jax.random.PRNGKey(seed))
     x, w = rand(kx, (m, k), xs, 1.0), rand(kw, (k, n), ws, 1.0 / math.sqrt(k))
     f = jax.jit(lambda a, b: a @ b, out_shardings=sh(outs))
-    counts = _hlo_counts(f.lower(x, w).compile().as_text())
+    counts = common.hlo_op_counts(f.lower(x, w).compile().as_text())
     ref = jax.jit(lambda a, b: jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
                                           precision=jax.lax.Precision.HIGHEST), out_shardings=sh(outs))(x, w)
     got = f(x, w).astype(jnp.float32)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from spmd.frontend.aten_common import (
     Missing,
     norm_dim,
@@ -23,8 +25,6 @@ from spmd.frontend.aten_common import (
 )
 from spmd.frontend.emitter import Emitter
 from spmd.ir.hlo import Instruction, Shape
-
-import torch
 
 aten = torch.ops.aten
 
@@ -44,11 +44,17 @@ def _scaled(em: Emitter, x: Any, alpha: Any) -> Any:
     return x * alpha
 
 
+_RIGHT_IDENTITY = {"add": 0, "subtract": 0, "multiply": 1, "divide": 1}
+
+
 def _binary(opcode: str):
     def convert(em: Emitter, a: dict, val) -> Instruction:
         x, y = list(a.values())[:2]
         if "alpha" in a:
             y = _scaled(em, y, a["alpha"])
+        if (isinstance(x, Instruction) and not isinstance(y, Instruction) and opcode in _RIGHT_IDENTITY
+                and y == _RIGHT_IDENTITY[opcode] and x.shape == Shape(out_dtype(val), out_dims(val))):
+            return x  # x + 0, x * 1: nothing to compute
         return _ew(em, opcode, [x, y], val)
     return convert
 
@@ -268,7 +274,8 @@ def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int
     if correction is None:
         correction = 1 if a.get("unbiased", True) else 0
     keep = tuple(i for i in range(x.shape.rank) if i not in dims)
-    mean = em.binary("divide", em.reduce(x, dims, "add"), em.scalar(count, x.shape.dtype, [x.shape.dims[i] for i in keep]))
+    kept_dims = [x.shape.dims[i] for i in keep]
+    mean = em.binary("divide", em.reduce(x, dims, "add"), em.scalar(count, x.shape.dtype, kept_dims))
     centered = em.binary("subtract", x, em.broadcast(mean, x.shape.dims, keep))
     sq = em.reduce(em.binary("multiply", centered, centered), dims, "add")
     var = em.binary("divide", sq, em.scalar(max(count - correction, 0), x.shape.dtype, sq.shape.dims))

@@ -44,9 +44,10 @@ class Emitter:
         self.instructions.append(inst)
         return inst
 
-    def parameter(self, number: int, shape: Shape, name: str) -> Instruction:
+    def parameter(self, number: int, shape: Shape, name: str, label: str = "") -> Instruction:
+        """Entry parameter ``number``; ``label`` (e.g. a parameter FQN) is its location's op_name."""
         inst = Instruction(self.fresh(name), "parameter", shape, (), {"parameter_number": number},
-                           location=self.location)
+                           location=SourceLocation(op_name=label or name))
         self.instructions.append(inst)
         return inst
 

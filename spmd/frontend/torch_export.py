@@ -135,9 +135,10 @@ def _inputs(ep: ExportedProgram, em: Emitter, env: dict) -> tuple[list[str], lis
         if node is None or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         val = node.meta["val"]
-        inst = em.parameter(len(names), Shape(dtype_of(val), tuple(int(d) for d in val.shape)), node.name)
-        env[node.name] = inst
-        names.append(node.name if spec.kind == InputKind.USER_INPUT else spec.target)
+        label = node.name if spec.kind == InputKind.USER_INPUT else spec.target
+        env[node.name] = em.parameter(len(names), Shape(dtype_of(val), tuple(int(d) for d in val.shape)),
+                                      node.name, label)
+        names.append(label)
         if spec.kind != InputKind.USER_INPUT:
             params.append(spec.target)
             source = ep.state_dict if spec.target in ep.state_dict else ep.constants

@@ -205,6 +205,8 @@ def _fast_head(c: Cursor) -> tuple[Instruction, bool, list, int] | None:
     key = (m.group(3), m.group(4))
     shape = _SHAPES.get(key)
     if shape is None:
+        if len(_SHAPES) > 4096:
+            _SHAPES.clear()
         shape = _SHAPES[key] = Shape(key[0], tuple(int(d) for d in key[1].split(",")) if key[1] else ())
     col = m.start(6) + 1
     operands = [(o.strip().lstrip("%"), col) for o in m.group(6).split(",")] if m.group(6) else []
@@ -233,15 +235,15 @@ def _fast_attr(inst: Instruction, key: str, value: str, refs: list, lineno: int,
     """Decode a simple attribute value without a cursor; False if the general decoder is needed."""
     kind = "stream" if key == "stream_id" else ATTRIBUTE_KINDS.get(key, "raw" if key not in _SPECIAL else "")
     try:
-        if kind == "int":
+        if kind == "int" and INT_RE.fullmatch(value):
             inst.attrs[key] = int(value)
-        elif kind == "stream":
+        elif kind == "stream" and INT_RE.fullmatch(value):
             inst.stream_id = int(value)
-        elif kind == "ints":
-            if not value.startswith("{"):
+        elif kind == "ints" and value.startswith("{"):
+            items = [x.strip() for x in value[1:-1].split(",")] if value[1:-1].strip() else []
+            if not all(INT_RE.fullmatch(x) for x in items):
                 return False
-            inner = value[1:-1].strip()
-            inst.attrs[key] = tuple(int(x) for x in inner.split(",")) if inner else ()
+            inst.attrs[key] = tuple(int(x) for x in items)
         elif kind == "comp":
             if not NAME_RE.fullmatch(value):
                 return False

@@ -35,14 +35,18 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
-from spmd.passes.windowed_einsum import MARK, _stable_toposort
+from spmd.passes.windowed_einsum import MARK, STREAMS_KEY, _stable_toposort
+
+AUTO_MAX_STREAMS = 2  # compute streams the cost model may advise (cost_model.decide)
 
 
 @dataclass(frozen=True)
 class AssignStreams:
     """The assign-streams pass (see the module docstring).
 
-    num_compute_streams: number of extra compute streams (>= 1) the partial dots rotate over.
+    num_compute_streams: number of extra compute streams (>= 1) the partial dots rotate over;
+      None = per site, as the windowed-einsum cost model advised (``"compute_streams"`` in
+      the partial dot's backend_config, 1 where absent).
     fuse_update: move a partial dot's single dynamic-update-slice user (its update operand)
       into the same async computation.
     A dynamic-slice read only by a partial dot moves into the dot's async computation too.
@@ -50,17 +54,24 @@ class AssignStreams:
     """
 
     name: ClassVar[str] = "assign-streams"
-    num_compute_streams: int = 2
+    num_compute_streams: int | None = 2
     fuse_update: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_compute_streams, int) or self.num_compute_streams < 1:
-            raise ValueError(f"num_compute_streams must be an int >= 1, got {self.num_compute_streams!r}")
+        n = self.num_compute_streams
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"num_compute_streams must be an int >= 1 or None, got {n!r}")
 
     @property
     def comm_stream(self) -> int:
         """Stream id of the collective-permutes."""
-        return self.num_compute_streams + 1
+        return (self.num_compute_streams or AUTO_MAX_STREAMS) + 1
+
+    def _streams_for(self, dot: Instruction) -> int:
+        if self.num_compute_streams is not None:
+            return self.num_compute_streams
+        advised = dot.attrs.get("backend_config", {}).get(STREAMS_KEY, 1)
+        return max(1, min(int(advised), AUTO_MAX_STREAMS))
 
     def run(self, module: Module) -> Module:
         comp = module.entry
@@ -76,7 +87,8 @@ class AssignStreams:
                 continue
             if id(inst) in units:
                 unit = units[id(inst)]
-                stream = 1 + turn % self.num_compute_streams
+                dot = next(u for u in unit if u.opcode == "dot")
+                stream = 1 + turn % self._streams_for(dot)
                 turn += 1
                 old, pair = unit[-1], _wrap_async(module, unit, stream, names)
             elif inst.opcode == "collective-permute":

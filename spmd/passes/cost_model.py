@@ -13,8 +13,11 @@ predicts, for one all-gather→dot or dot→reduce-scatter site, the time of
 
 GEMMs smaller than the machine's sweet spot run below peak: efficiency is the
 curve ``e / (e + e_half)`` over output elements ``e`` (``e_half`` = output size at
-which a GEMM reaches half of peak), under a memory roofline. GEMMs that may run
-concurrently on separate compute streams pool their output elements.
+which a GEMM reaches half of peak), under a memory roofline. On the reduce-scatter
+side the partial dots are independent; two compute streams let two of them run at
+once (pooling their output elements for efficiency) at the price of one step of
+latency before the first accumulator travels. On the all-gather side the partial
+dots update one accumulator in turn, so one compute stream is all they use.
 
 The decomposition follows Wang et al., "Overlap Communication with Dependent
 Computation via Decomposition in Large Deep Learning Models" (ASPLOS 2023), the
@@ -166,7 +169,8 @@ def _windowed_us(gemms, p, dtype, prof, chunk_bytes, add_bytes, bidirectional, s
     transfer = chunk_bytes / (_ring_rate_gbps(p, bidirectional, prof) * 1e3)
     launches = halves * (len(gemms) + 1)
     host = launches * prof.launch_us + (halves * 2 + (streams > 1)) * prof.event_us
-    total = 0.0
+    # with concurrent dots the first accumulator is ready one step later (two dots share the GPU)
+    total = step_compute if streams > 1 else 0.0
     for s in range(p):
         gpu = max(step_compute, transfer if s < p - 1 else 0.0) + prof.per_step_overhead_us
         total += max(gpu, host)
@@ -218,8 +222,11 @@ def decide(
     add_bytes = 0.0 if collective == "all-gather" else 3.0 * chunk_bytes
     serial = _serial_us(gemms, p, dtype, profile, chunk_bytes)
     best: dict[str, tuple[float, int]] = {}
+    # all-gather partial dots update one accumulator in turn (assign-streams fuses the update):
+    # only the independent dots of the reduce-scatter side can run concurrently
+    streams = (1,) if collective == "all-gather" else (1, 2)
     for name, bi in (("uni", False), ("bi", True)):
-        best[name] = min((_windowed_us(gemms, p, dtype, profile, chunk_bytes, add_bytes, bi, s), s) for s in (1, 2))
+        best[name] = min((_windowed_us(gemms, p, dtype, profile, chunk_bytes, add_bytes, bi, s), s) for s in streams)
     pick = "uni" if best["uni"][0] <= best["bi"][0] else "bi"
     decompose = best[pick][0] < serial * (1.0 - margin)
     predicted = {"serial": serial, "uni": best["uni"][0], "bi": best["bi"][0]}

@@ -33,7 +33,8 @@ bidirectional variant; it uses both directions of ring links).
 One all-gather feeding several dots (Q, K, V projections) shares one ring. Any group
 size P >= 2, any chunk size (bidirectional needs chunks of >= 2 rows), 2-d meshes
 (replica groups such as {{0,2},{1,3}}: a constant table maps partition-id to ``r``).
-Partial dots carry ``backend_config={"windowed_einsum": step}``; assign-streams puts
+Partial dots carry ``backend_config={"windowed_einsum": step}`` (plus
+``"compute_streams": n`` where the cost model chose the site); assign-streams puts
 them on compute streams.
 """
 
@@ -49,7 +50,8 @@ from spmd.ir.hlo import Computation, Instruction, Module, Shape
 from spmd.passes.cost_model import H200_NVLINK, GemmShape, MachineProfile, decide
 
 _MODES = ("auto", "on", "off")
-MARK = "windowed_einsum"
+MARK = "windowed_einsum"  # backend_config key of a partial dot: its ring step
+STREAMS_KEY = "compute_streams"  # backend_config key: compute streams the cost model advises
 
 
 @dataclass(frozen=True)
@@ -87,26 +89,27 @@ class WindowedEinsum:
             site = _match_ag(inst, users, comp, n) if inst.opcode == "all-gather" else None
             if site is None and inst.opcode == "reduce-scatter":
                 site = _match_rs(inst, users, comp, n)
-            bidir = None if site is None else self._choose(site)
-            if bidir is None:
+            choice = None if site is None else self._choose(site)
+            if choice is None:
                 continue
-            site.rewrite(_Emitter(module), comp, bidir and site.chunk >= 2)
+            bidir, streams = choice
+            site.rewrite(_Emitter(module, streams), comp, bidir and site.chunk >= 2)
             users, changed = comp.users(), True
         if changed:
             comp.instructions = _stable_toposort(comp.instructions)
         return module
 
-    def _choose(self, site: _AgSite | _RsSite) -> bool | None:
-        """None = leave the site alone; else whether to use the bidirectional ring."""
+    def _choose(self, site: _AgSite | _RsSite) -> tuple[bool, int | None] | None:
+        """None = leave the site alone; else (bidirectional ring?, compute streams the cost model advises)."""
         if self.mode == "on" and self.bidirectional is not None:
-            return self.bidirectional
+            return self.bidirectional, None
         if site.dtype not in self.cost_model.gemm_tflops:
-            return None if self.mode == "auto" else False
+            return None if self.mode == "auto" else (False, None)
         dec = decide(site.gemms(), site.p, site.dtype, self.cost_model, collective=site.collective,
                      chunk_bytes=site.chunk_bytes)
         if self.mode == "auto" and not dec.decompose:
             return None
-        return dec.bidirectional if self.bidirectional is None else self.bidirectional
+        return (dec.bidirectional if self.bidirectional is None else self.bidirectional), dec.num_compute_streams
 
 
 # --------------------------------------------------------------------------- matching
@@ -334,8 +337,8 @@ def _match_rs(rs: Instruction, users, comp: Computation, n: int) -> _RsSite | No
 class _Emitter:
     """Creates the new instructions of one site with unique names, in order (``new``)."""
 
-    def __init__(self, module: Module) -> None:
-        self.module = module
+    def __init__(self, module: Module, streams: int | None = None) -> None:
+        self.module, self.streams = module, streams
         self.used = {i.name for c in module.all_computations() for i in c.instructions}
         self.new: list[Instruction] = []
         self._consts: dict[tuple, Instruction] = {}
@@ -417,6 +420,8 @@ class _Emitter:
     def partial_dot(self, dot: Instruction, ops, out_dim: int, rows: int, name: str, step: int) -> Instruction:
         attrs = dict(dot.attrs)
         attrs["backend_config"] = {**attrs.get("backend_config", {}), MARK: step}
+        if self.streams is not None:
+            attrs["backend_config"][STREAMS_KEY] = self.streams
         return self.op("dot", _with_dim(dot.shape, out_dim, rows), ops, name, **attrs)
 
 

@@ -123,8 +123,9 @@ class Executable:
             self.pids, self.devices = (rank,), (devices[rank],)
         else:
             self.pids, self.devices = tuple(range(len(devices))), devices
+        self._buffers = buffers
         self.program: Program = lower(module, self.devices, self.pids, buffers, gpu=self.gpu, fuse=options.fuse)
-        self._steps = segments(self.program.thunks)
+        self._variants = {frozenset(): (self.program, segments(self.program.thunks))}
         self._arenas = _ArenaPool(self.devices, self.program.arena_size_bytes, self.program.arena_views)
         self._param_meta = [(tuple(p.shape.dims), p.shape.torch_dtype) for p in module.entry.parameters]
         self._comm = self._make_comm()
@@ -161,8 +162,9 @@ class Executable:
           args: ``args[i][k]``: parameter ``i`` on local device ``k`` (partition id
             ``pids[k]``), a tensor of the parameter's padded shard shape and dtype on that device.
           arg_ready: optional ``arg_ready[i][k]`` CUDA events the call waits for before reading.
-          donated: parameter indices whose buffers the caller gives up (accepted; the buffers
-            are not reused for outputs yet).
+          donated: parameter indices whose buffers the caller gives up: outputs of equal
+            shard shape and dtype may be written into them (``spmd.runtime.donation``; the
+            program variant is lowered once per distinct set).
           trace: an optional ``spmd.runtime.trace_events.TraceRecorder``.
         Returns:
           ``(outputs, ready)``: ``outputs[j][k]`` output ``j`` on local device ``k``, and one
@@ -171,15 +173,36 @@ class Executable:
           ValueError / TypeError: ``args`` does not match the parameters.
         """
         self._check_args(args)
-        call = _Call(self._bind(args), self._arenas.acquire())
+        program, steps = self._variant(donated)
+        arenas = self._arenas.acquire()
+        views = arenas
+        if program.donated_params:
+            views = [a + [args[i][k] for i in program.donated_params] for k, a in enumerate(arenas)]
+        call = _Call(self._bind(program, args), views)
         try:
             if self.gpu:
                 with self._lock:
-                    return self._run_gpu(call, args, arg_ready, trace)
-            self._run_cpu(call, trace)
-            return self._outputs(call), [None] * len(self.devices)
+                    return self._run_gpu(program, steps, call, args, arg_ready, trace)
+            self._run_cpu(steps, call, trace)
+            return self._outputs(program, call), [None] * len(self.devices)
         finally:
-            self._arenas.release(call.views)
+            self._arenas.release(arenas)
+
+    def _variant(self, donated: frozenset[int]) -> tuple[Program, list]:
+        """The program lowered for this donation set (lowered on first use, then cached)."""
+        variant = self._variants.get(donated)
+        if variant is not None:
+            return variant
+        donated = frozenset(donated)
+        bad = [i for i in donated if not (isinstance(i, int) and 0 <= i < len(self._param_meta))]
+        if bad:
+            raise ValueError(f"donated: expected parameter numbers in [0, {len(self._param_meta)}), got {sorted(bad)}")
+        program = lower(self.module, self.devices, self.pids, self._buffers, gpu=self.gpu,
+                        fuse=self.options.fuse, donated=donated)
+        assert program.stream_ids == self.program.stream_ids and program.num_events == self.program.num_events
+        variant = (program, segments(program.thunks))
+        self._variants[donated] = variant
+        return variant
 
     def _check_args(self, args: Sequence[Sequence[Tensor]]) -> None:
         if len(args) != len(self._param_meta):
@@ -194,25 +217,27 @@ class Executable:
                 if t.dtype != dtype or tuple(t.shape) != dims:
                     raise ValueError(f"args[{i}][{k}]: expected {dtype}{list(dims)}, got {t.dtype}{list(t.shape)}")
 
-    def _bind(self, args: Sequence[Sequence[Tensor]]) -> list[list[Any]]:
-        vals = [list(t) for t in self.program.templates]
-        for slot, per_dev in zip(self.program.param_slots, args, strict=False):
+    @staticmethod
+    def _bind(program: Program, args: Sequence[Sequence[Tensor]]) -> list[list[Any]]:
+        vals = [list(t) for t in program.templates]
+        for slot, per_dev in zip(program.param_slots, args, strict=True):
             for k, t in enumerate(per_dev):
                 vals[k][slot] = t
         return vals
 
-    def _outputs(self, call: _Call) -> list[list[Tensor]]:
+    @staticmethod
+    def _outputs(program: Program, call: _Call) -> list[list[Tensor]]:
         out = []
-        for slot, clone in zip(self.program.output_slots, self.program.output_clone, strict=False):
+        for slot, clone in zip(program.output_slots, program.output_clone, strict=True):
             vals = [v[slot] for v in call.vals]
             out.append([v.clone() for v in vals] if clone else vals)
         return out
 
     # ------------------------------------------------------------------ CPU
-    def _run_cpu(self, call: _Call, trace: Any) -> None:
+    def _run_cpu(self, steps: list, call: _Call, trace: Any) -> None:
         run_seg = _run_segment if trace is None else _traced_segment(trace, self.pids)
         n = len(self.devices)
-        for step in self._steps:
+        for step in steps:
             if isinstance(step, Segment):
                 if self._pool is None or step.work < self.options.cpu_parallel_min_work:
                     for k in range(n):
@@ -240,7 +265,8 @@ class Executable:
                 v[s] = None
 
     # ------------------------------------------------------------------ GPU
-    def _run_gpu(self, call: _Call, args, arg_ready, trace: Any) -> tuple[list[list[Tensor]], list[Any]]:
+    def _run_gpu(self, program: Program, steps: list, call: _Call, args, arg_ready,
+                 trace: Any) -> tuple[list[list[Tensor]], list[Any]]:
         from spmd.runtime import streams as st
 
         envs = self._envs
@@ -251,7 +277,7 @@ class Executable:
         callers = st.begin(envs, ready_per_dev)
         try:
             bases = [_base_event(env) for env in envs] if trace is not None else None
-            for step in self._steps:
+            for step in steps:
                 if isinstance(step, Segment):
                     for k, env in enumerate(envs):
                         if trace is None:
@@ -262,7 +288,7 @@ class Executable:
                     self._collective(step, call)
             for env in envs:
                 torch.cuda.set_stream(env.main)
-            outputs = self._outputs(call)
+            outputs = self._outputs(program, call)
             for per_dev in args:
                 for t, env in zip(per_dev, envs, strict=False):
                     t.record_stream(env.main)

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from spmd.ir.hlo import ELEMENTWISE_OPCODES
+
 # Opcodes whose kernel result is fresh memory (never a view or an operand): safe to write into.
-FRESH_OPCODES = frozenset({"dot", "dynamic-update-slice", "add", "subtract", "multiply", "divide",
-                           "maximum", "minimum", "concatenate", "select", "copy"})
+FRESH_OPCODES = (ELEMENTWISE_OPCODES - {"convert"}) | {"dot", "dynamic-update-slice", "concatenate"}
 
 
 def fuse(ops: list, outputs: set[int], buffers: Any) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from spmd.ir.hlo import Computation, Instruction, Module
 from spmd.runtime import fusions
+from spmd.runtime.donation import plan_donation
 from spmd.runtime.thunks import (
     CollectiveSpec,
     CollectiveThunk,
@@ -78,6 +79,8 @@ class Program:
       num_events: events per device used by the event thunks.
       arena_views: the arena views kernels write into (``KernelThunk.buffer`` indexes it).
       arena_size_bytes: size of the per-device arena.
+      donated_params: parameters whose tensors follow the arena views in a call's view list
+        (outputs written into donated buffers).
     """
 
     num_slots: int
@@ -90,6 +93,7 @@ class Program:
     num_events: int
     arena_views: tuple[ArenaView, ...]
     arena_size_bytes: int
+    donated_params: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -238,7 +242,8 @@ def flatten_ref(ref: Any) -> list[int]:
 
 
 def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] | None = None,
-          buffers: Any = None, gpu: bool = False, fuse: bool = True) -> Program:
+          buffers: Any = None, gpu: bool = False, fuse: bool = True,
+          donated: frozenset[int] = frozenset()) -> Program:
     """Lower ``module``'s entry computation for the local devices.
 
     Args:
@@ -249,6 +254,9 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
       buffers: a ``BufferAssignment`` (offsets_bytes, sizes_bytes, arena_size_bytes) or None.
       gpu: emit event thunks for cross-stream joins and place persistent values on devices.
       fuse: apply the peephole fusions of ``spmd.runtime.fusions``.
+      donated: parameter numbers whose buffers outputs may be written into
+        (``spmd.runtime.donation``); the run must then pass those parameters' tensors as
+        extra views (``Program.donated_params``).
     Returns:
       The ``Program``.
     Raises:
@@ -271,16 +279,20 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
         fusions.fuse(lw.ops, outputs, buffers)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
+    clone = tuple(s in lw.folded or _in_arena(s, lw.ops, op_buffers) for s in output_slots)
+    plan = plan_donation(lw.ops, [lw.param_slots[i] for i in range(len(params))], output_slots, donated)
+    for t, k in enumerate(sorted(plan)):
+        op_buffers[k] = len(arena_views) + t
     thunks, num_events = _build_thunks(lw, op_buffers, host_slots, gpu)
     _attach_releases(thunks, lw, outputs, gpu)
     templates = _templates(lw, host_slots, gpu)
-    clone = tuple(s in lw.folded or _in_arena(s, lw.ops, op_buffers) for s in output_slots)
     streams = sorted({0} | {t.stream_id for t in thunks})
     return Program(num_slots=lw.num_slots, thunks=thunks,
                    param_slots=tuple(lw.param_slots[i] for i in range(len(params))),
                    output_slots=tuple(output_slots), output_clone=clone, templates=templates,
                    stream_ids=tuple(streams), num_events=num_events, arena_views=tuple(arena_views),
-                   arena_size_bytes=int(getattr(buffers, "arena_size_bytes", 0) or 0))
+                   arena_size_bytes=int(getattr(buffers, "arena_size_bytes", 0) or 0),
+                   donated_params=tuple(plan[k] for k in sorted(plan)))
 
 
 def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:

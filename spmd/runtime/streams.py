@@ -27,6 +27,7 @@ class DeviceEnv:
     events: list[torch.cuda.Event] = field(default_factory=list)
     fork: torch.cuda.Event | None = None
     joins: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    caller: torch.cuda.Event | None = None
 
     @property
     def main(self) -> torch.cuda.Stream:
@@ -44,6 +45,7 @@ def create_envs(devices: Sequence[torch.device], pids: Sequence[int], stream_ids
         with torch.cuda.device(dev):
             env.events = [torch.cuda.Event() for _ in range(num_events)]
             env.fork = torch.cuda.Event()
+            env.caller = torch.cuda.Event()
             env.joins = {sid: torch.cuda.Event() for sid in stream_ids if sid != 0}
         envs.append(env)
     return envs
@@ -59,7 +61,8 @@ def begin(envs: Sequence[DeviceEnv], ready: Sequence[Sequence[torch.cuda.Event |
         caller = torch.cuda.current_stream(env.device)
         callers.append(caller)
         main = env.main
-        main.wait_stream(caller)
+        env.caller.record(caller)
+        main.wait_event(env.caller)
         if ready is not None:
             for ev in ready[k]:
                 if ev is not None:

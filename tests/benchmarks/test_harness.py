@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks import cm_local, common, dispatch, summarize, workloads  # noqa: E402
+from benchmarks import cm_local, common, dispatch, reporting, summarize, workloads  # noqa: E402
 from benchmarks import collective_matmul as cm  # noqa: E402
 
 # ----------------------------------------------------------------------------- common: timing
@@ -118,8 +118,9 @@ def test_emit_and_parse_records(capsys):
     common.emit({"kind": "cm", "ms": 1.5})
     print("noise")
     print(common.JSON_PREFIX + "{not json")
+    print("[rank0]:" + common.JSON_PREFIX + '{"rank": 0}')
     out = capsys.readouterr().out
-    assert common.parse_records(out) == [{"kind": "cm", "ms": 1.5}]
+    assert common.parse_records(out) == [{"kind": "cm", "ms": 1.5}, {"rank": 0}]
 
 
 def test_run_child_collects_records_and_kills_on_timeout():
@@ -139,14 +140,14 @@ def test_run_child_collects_records_and_kills_on_timeout():
 
 
 def test_markdown_table_and_row_set(tmp_path):
-    table = common.markdown_table(["a", "b"], [["1", "2"]])
+    table = reporting.markdown_table(["a", "b"], [["1", "2"]])
     assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 | 2 |"]
     with pytest.raises(ValueError, match="cells"):
-        common.markdown_table(["a"], [["1", "2"]])
+        reporting.markdown_table(["a"], [["1", "2"]])
     doc = tmp_path / "docs" / "benchmarks.md"
     info = {"gpu_count": 2, "gpu": "NVIDIA H200", "torch": "2.11", "nccl": "2.28.3"}
-    common.append_row_set(doc, "collective matmul", info, table)
-    common.append_row_set(doc, "dispatch", info, "body two")
+    reporting.append_row_set(doc, "collective matmul", info, table)
+    reporting.append_row_set(doc, "dispatch", info, "body two")
     text = doc.read_text()
     assert text.startswith("# Benchmarks")
     assert text.count("## ") == 2 and "— collective matmul" in text and "2× NVIDIA H200" in text
@@ -156,7 +157,7 @@ def test_markdown_table_and_row_set(tmp_path):
 def test_plot_grouped_bars(tmp_path):
     pytest.importorskip("matplotlib")
     paths = [tmp_path / "a.png", tmp_path / "sub" / "b.png"]
-    written = common.plot_grouped_bars(paths, [("t", ["s1", "s2"], {"v1": [1.1, None], "v2": [1.3, 2.0]})])
+    written = reporting.plot_grouped_bars(paths, [("t", ["s1", "s2"], {"v1": [1.1, None], "v2": [1.3, 2.0]})])
     assert written == paths
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
 
@@ -400,3 +401,53 @@ def test_run_gpu_script_is_valid_bash_and_sets_the_env():
     proc = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, timeout=60,
                           env={**common.child_env(), "OUT": "/tmp/spmd_bench_out_test"})
     assert proc.returncode == 2 and "unknown stage" in proc.stdout
+
+
+def test_hlo_op_counts_and_no_cp_marker():
+    text = ("%cp = bf16[4,8] collective-permute(%x), source_target_pairs={{0,1},{1,0}}\n"
+            "%s = (bf16[4,8]) collective-permute-start(%y)\n%ag = bf16[8,8] all-gather(%z), dimensions={0}\n")
+    assert common.hlo_op_counts(text) == {"collective-permute": 2, "all-gather": 1, "reduce-scatter": 0,
+                                          "all-reduce": 0}
+    recs = [*RECORDS, _rec("local", "ag", SHAPE, "spmd:on-2s", 2.1, hlo={"collective-permute": 0})]
+    _, rows = cm.side_table(cm.index_records(recs), "ag", [SHAPE])
+    headers, _ = cm.side_table(cm.index_records(recs), "ag", [SHAPE])
+    cells = dict(zip(headers, rows[0], strict=True))
+    assert cells["spmd on-2s"].endswith("(no CP)") and not cells["XLA windowed"].endswith("(no CP)")
+
+
+def test_summarize_handles_missing_files(tmp_path, capsys):
+    assert summarize.main([str(tmp_path)]) == 0
+    assert "cm_results.json: missing" in capsys.readouterr().out
+
+
+def test_result_rel_error_shard_by_shard():
+    spmd = pytest.importorskip("spmd")
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
+    x = torch.randn(8, 6)
+    for spec in (spmd.PartitionSpec(None, "tp"), spmd.PartitionSpec("tp", None), spmd.PartitionSpec()):
+        a = spmd.device_put(x, spmd.NamedSharding(mesh, spec))
+        assert cm_local.result_rel_error(a, x) == 0.0
+        noisy = x + 0.01 * torch.randn(8, 6)
+        assert cm_local.result_rel_error(a, noisy) == pytest.approx(common.rel_error(x, noisy), rel=1e-4)
+
+
+def test_anchor_modules_import_without_side_effects():
+    import importlib
+
+    for name in ("benchmarks.anchors.torch_symm_mem", "benchmarks.anchors.jax_xla", "benchmarks.anchors.torch_eager"):
+        mod = importlib.import_module(name)
+        assert callable(mod.main) and mod.__doc__
+
+
+def test_jax_anchor_on_virtual_cpu_devices():
+    pytest.importorskip("jax")
+    env = common.child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"})
+    cmd = [sys.executable, "-m", "benchmarks.anchors.jax_xla", "--bench", "cm", "--tp", "2", "--shapes", "16,8,8",
+           "--rounds", "1", "--reps", "1", "--label", "xla"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = [r for r in common.parse_records(proc.stdout) if r["kind"] == "cm"]
+    by = {(r["side"], r["variant"]): r for r in recs}
+    assert set(by) == {(s, v) for s in ("ag", "rs") for v in ("compute", "comm", "xla")}
+    assert all(r["ms"] > 0 for r in recs)
+    assert by[("ag", "xla")]["rel_err"] < 1e-2 and by[("ag", "xla")]["hlo"]["all-gather"] >= 1

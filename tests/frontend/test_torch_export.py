@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from spmd.frontend.torch_export import UnsupportedOpError, import_program
+from spmd.ir.text import parse_module, print_module
+from spmd.ir.verify import verify_module
 
 from .helpers import assert_close_tree, run_imported
 from .models import MLP, Block, LlamaBlock, TinyLM
@@ -20,6 +22,8 @@ def opcodes(prog) -> collections.Counter:
 
 def check(fn, args, kwargs=None, rtol=1e-5, atol=1e-5):
     prog, got = run_imported(fn, args, kwargs)
+    verify_module(prog.module)
+    assert print_module(parse_module(print_module(prog.module))) == print_module(prog.module)
     with torch.no_grad():
         want = fn(*args, **(kwargs or {}))
     assert_close_tree(got, want, rtol=rtol, atol=atol)
@@ -137,7 +141,8 @@ def test_unsupported_op_names_op_and_user_line():
         import_program(f, (torch.randn(3, 4),))
     assert isinstance(info.value, TypeError)
     line = int(str(info.value).split("test_torch_export.py:")[1].split(":")[0].split()[0])
-    src = open(__file__).read().splitlines()[line - 1]
+    with open(__file__) as f:
+        src = f.read().splitlines()[line - 1]
     assert "torch.sort" in src
 
 
@@ -151,3 +156,28 @@ def test_unsupported_fft_and_argmax_use():
 def test_dropout_in_training_mode_is_rejected():
     with pytest.raises(UnsupportedOpError, match="dropout"):
         import_program(Block().train(), (torch.randn(2, 4, 32),))
+
+
+def test_hf_bert_model_with_attention_mask():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, vocab_size=100, max_position_embeddings=32)
+    model = transformers.BertModel(cfg).eval()
+    ids = torch.randint(0, 100, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+    prog, got = run_imported(model, (ids,), {"attention_mask": mask})
+    verify_module(prog.module)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask)
+    assert_close_tree(tuple(got.values()), tuple(want.values()))
+    assert opcodes(prog)["dot"] == 13  # 2 layers x 6 linears + pooler
+
+
+def test_advanced_index_and_torch_gather():
+    def f(x, i, j, table):
+        return x[i, j], x[:, i], x[i[:, None], j[None, :]], torch.gather(table.expand(1, -1), 1, i[None])
+
+    x = torch.randn(5, 7, 3)
+    i, j = torch.tensor([4, 0, 2]), torch.tensor([6, 1, 1])
+    check(f, (x, i, j, torch.randn(1, 9)))

@@ -339,6 +339,8 @@ ERRORS = [
     (_HEAD + "  ROOT %b = f32[4] negate(%a) stream_id=1\n}\n", 5, 31, "','"),
     (_HEAD + "  ROOT %b = f32[4] negate(%a), stream_id=x\n}\n", 5, 42, "an integer stream id"),
     (_HEAD + "  ROOT %b = f32[4] copy(%a), index=0, index=1\n}\n", 5, 39, "attribute index once"),
+    (_HEAD + "  ROOT %b = f32[4] copy(%a), index=1_0\n}\n", 5, 37, "end of the index value"),
+    (_HEAD + "  ROOT %b = f32[4] transpose(%a), dimensions={0,1_0}\n}\n", 5, 50, "'}'"),
     ("HloModule m, num_partitions=3, mesh={a=2}\n", 1, 29, "num_partitions=2 to match mesh={a=2}, found 3"),
 ]
 

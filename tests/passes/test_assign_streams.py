@@ -163,3 +163,18 @@ ENTRY %main (x: f32[4,6], w: f32[6,5]) -> f32[8,5] {
   ROOT %rs = f32[4,5] concatenate(%rs.cwacc1, %rs.ccwacc1), dimensions={0}, stream_id=0
 }
 """)
+
+
+@pytest.mark.parametrize("advised", [1, 2])
+def test_per_site_streams_from_the_cost_model(advised):
+    mod = parse_module(rs_module("lhs", 4, 5))
+    WindowedEinsum(mode="on").run(mod)  # bidirectional=None: the cost model chooses and records its advice
+    dots = [i for i in mod.entry.instructions if i.opcode == "dot"]
+    assert dots and all("compute_streams" in d.attrs["backend_config"] for d in dots)
+    for d in dots:
+        d.attrs["backend_config"]["compute_streams"] = advised
+    AssignStreams(num_compute_streams=None).run(mod)
+    verify_module(mod)
+    starts = [i for i in mod.entry.instructions if i.opcode == "async-start"]
+    assert {s.stream_id for s in starts} == set(range(1, advised + 1))
+    assert all(i.stream_id == 3 for i in mod.entry.instructions if i.opcode.startswith("collective-permute"))

@@ -144,6 +144,12 @@ def test_many_rows_per_device(p, bidirectional, t):
     check_numerics(rs_module("lhs", p, c=1030, t=t, k=24, n=20), bidirectional)
 
 
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_bf16_on_eight_devices(bidirectional):
+    check_numerics(ag_module("rhs", 8, c=1027, t="bf16", k=16, n=12), bidirectional)
+    check_numerics(rs_module("batch", 8, c=5, t="bf16", k=16, n=12), bidirectional)
+
+
 @pytest.mark.parametrize("axis", ["tp", "dp"])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_two_dim_mesh(axis, bidirectional):

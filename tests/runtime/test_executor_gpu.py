@@ -155,3 +155,19 @@ def test_two_d_groups_need_four_gpus_else_skip():
     for ev in ready:
         ev.synchronize()
     torch.testing.assert_close(outs[0][1].cpu(), ((xs[0].exp() + xs[1].exp()) ** 2), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu(count=2)
+def test_donated_kv_cache_on_gpus():
+    from test_donation import KV
+
+    module = parse_module(KV)
+    ex = Executable(module, _gpu_mesh(module))
+    host = [[torch.randn(16, 8) for _ in range(N)], [torch.randn(2, 8) for _ in range(N)]]
+    ref = evaluate_spmd(module, [[a[d] for a in host] for d in range(N)])
+    args = [[t.to(f"cuda:{d}") for d, t in enumerate(per)] for per in host]
+    outs, ready = ex.run(args, donated=frozenset({0}))
+    for d, ev in enumerate(ready):
+        ev.synchronize()
+        assert outs[0][d].data_ptr() == args[0][d].data_ptr()
+        torch.testing.assert_close(outs[0][d].cpu(), ref[0][d])

