@@ -25,6 +25,7 @@ import argparse
 import math
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,6 +363,8 @@ def run_side(side: str, x: Any, w: Any, ref: Any | None, devices: Sequence[Any],
             except Exception as exc:  # spmd under construction: log, mark n/a, go on
                 failed[name] = f"{type(exc).__name__}: {exc}"[:500]
                 log(f"{side} {p.shape} {name}: n/a ({failed[name]})")
+                if len(failed) == 1:
+                    log(traceback.format_exc())
     reps = reps_for(p.shape, len(devices), args.reps)
     results = common.interleaved(variants, p.devices, rounds=args.rounds, warmup=args.warmup, reps=reps, log=log)
     variants.clear()

@@ -19,14 +19,26 @@ later use raises ``DeletedArrayError`` saying why.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from spmd import metrics
 from spmd.ir.hlo import hlo_dtype
 from spmd.ir.sharding import unshard_tensors
 from spmd.sharding import NamedSharding
+
+
+# Transfer metrics: ``transfer.to_device`` / ``transfer.from_device`` timers (seconds per
+# device_put / to_torch) with byte counters of the global values moved, and the
+# ``wait_for_devices`` timer (time block_until_ready / to_torch spend waiting).
+_TO_DEVICE = metrics.timer("transfer.to_device")
+_TO_DEVICE_BYTES = metrics.counter("transfer.to_device.bytes")
+_FROM_DEVICE = metrics.timer("transfer.from_device")
+_FROM_DEVICE_BYTES = metrics.counter("transfer.from_device.bytes")
+_WAIT = metrics.timer("wait_for_devices")
 
 
 class DeletedArrayError(ValueError):
@@ -162,12 +174,14 @@ class ShardedArray:
         """
         self._check_alive("block_until_ready")
         mesh = self._sharding.mesh
+        start = time.perf_counter()
         events = self._ready_events or (None,) * mesh.num_devices
         for index, event in zip(mesh.device_ids, events, strict=True):
             if event is not None:
                 event.synchronize()
             elif mesh.platform == "cuda":
                 torch.cuda.synchronize(index)
+        _WAIT.record(time.perf_counter() - start)
         return self
 
     # ------------------------------------------------------------ contents
@@ -183,9 +197,13 @@ class ShardedArray:
         """
         self._check_alive("to_torch")
         self.block_until_ready()
+        start = time.perf_counter()
         mesh = self._sharding.mesh
         out = unshard_tensors(self._buffers, self._tensor_sharding(), mesh.shape, tuple(self._shape))
-        return out.cpu() if out.device.type != "cpu" else out
+        out = out.cpu() if out.device.type != "cpu" else out
+        _FROM_DEVICE.record(time.perf_counter() - start)
+        _FROM_DEVICE_BYTES.inc(out.nbytes)
+        return out
 
     @property
     def shards(self) -> list[Shard]:
@@ -297,6 +315,7 @@ def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
     sharding.validate(tuple(tensor.shape), "sharding")
+    start = time.perf_counter()
     value = tensor.detach()
     mesh = sharding.mesh
     ts = sharding.to_tensor_sharding(value.dim())
@@ -314,4 +333,6 @@ def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
             piece = value[tuple(slice(a, b) for a, b in bounds)]
             buf[tuple(slice(0, n) for n in local)].copy_(piece)
         buffers.append(buf)
+    _TO_DEVICE.record(time.perf_counter() - start)
+    _TO_DEVICE_BYTES.inc(value.nbytes)
     return ShardedArray._from_buffers(buffers, sharding, value.shape, value.dtype)

@@ -82,16 +82,16 @@ class Workload:
     flops: int | None
 
 
-def _block_model(args, device: str):
+def _block_model(args):
     from spmd.models.gpt import gpt3_layers
     from spmd.models.llama import llama_layers
     from spmd.models.plans import gpt_plan, llama_plan
 
+    plan = (gpt_plan if args.model == "gpt3-layer" else llama_plan)(args.tp_axis, args.sequence_parallel)
     if args.model == "gpt3-layer":
-        return lambda dev: gpt3_layers(args.layers, small=args.small, dtype=args.torch_dtype, device=dev), gpt_plan
+        return lambda dev: gpt3_layers(args.layers, small=args.small, dtype=args.torch_dtype, device=dev), plan
     preset = args.model.removesuffix("-layer")
-    return (lambda dev: llama_layers(preset, args.layers, small=args.small, dtype=args.torch_dtype, device=dev),
-            llama_plan)
+    return lambda dev: llama_layers(preset, args.layers, small=args.small, dtype=args.torch_dtype, device=dev), plan
 
 
 def build_workload(args, mesh, dp_axis: str | None) -> Workload:
@@ -102,8 +102,7 @@ def build_workload(args, mesh, dp_axis: str | None) -> Workload:
     batch_spec = dp_axis  # inputs split on batch over dp, if the mesh has a dp axis
     if args.model == "minilm":
         return _minilm_workload(args, mesh, batch_spec)
-    make, plan_fn = _block_model(args, str(first))
-    plan = plan_fn(args.tp_axis)
+    make, plan = _block_model(args)
     resolve_plan(make("meta"), mesh, plan)  # shapes only: fails fast on bad tp sizes
     module = make(first)
     hidden = module.config.hidden_size
@@ -175,15 +174,16 @@ def collectives_table(pm, title: str) -> Table:
     from spmd.parallelize import summarize_collectives
 
     stages = pm.lowered.stages
-    table = Table(title=title)
-    for col in ("stage", "collective", "count", "KiB sent per device"):
-        table.add_column(col, justify="right" if col in ("count", "KiB sent per device") else "left")
+    table = Table(title=title, caption="bytes one device sends, ring algorithms")
+    for col in ("after stage", "collective", "count", "KiB each (mean)", "KiB total"):
+        table.add_column(col, justify="left" if col in ("after stage", "collective") else "right")
     for stage in ("spmd-partition", stages[-1]):
         stats = summarize_collectives(pm.lowered.as_text(stage))
         if not stats:
-            table.add_row(stage, "none", "0", "0")
+            table.add_row(stage, "none", "0", "0", "0")
         for s in stats:
-            table.add_row(stage, s.opcode, str(s.count), f"{s.bytes_per_device / 1024:,.1f}")
+            kib = s.bytes_per_device / 1024
+            table.add_row(stage, s.opcode, str(s.count), f"{kib / s.count:,.1f}", f"{kib:,.1f}")
     return table
 
 
@@ -297,7 +297,7 @@ def _neighbours_table(sentences, emb: torch.Tensor) -> Table:
     table = Table(title="nearest neighbour of each sentence (cosine of the sharded embeddings)")
     for col in ("sentence", "nearest other sentence", "cosine"):
         table.add_column(col, justify="right" if col == "cosine" else "left", overflow="ellipsis", no_wrap=True,
-                         max_width=None if col == "cosine" else 48)
+                         max_width=None if col == "cosine" else 30)
     for i, s in enumerate(sentences):
         j = int(sim[i].argmax())
         table.add_row(s, sentences[j], f"{sim[i, j].item():.3f}")
@@ -328,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=int, default=2, help="warm-up iterations (default 2)")
     run.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else cpu")
     run.add_argument("--small", action="store_true", help="tiny block shapes (hidden 64) for quick CPU runs")
+    run.add_argument("--sequence-parallel", action="store_true",
+                     help="block models: split norms and residuals on the sequence dim (Megatron-SP)")
     _common(run)
     return parser
 
@@ -353,6 +355,8 @@ def _finish_args(args) -> None:
             raise CliError(f"--{name}: expected >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise CliError(f"--warmup: expected >= 0, got {args.warmup}")
+    if minilm and args.sequence_parallel:
+        raise CliError("--sequence-parallel: only for the block models (gpt3-layer, llama*-layer)")
     if minilm and args.seq > 512:
         raise CliError(f"--seq: minilm has 512 positions, got {args.seq}")
 

@@ -1,15 +1,21 @@
 """``Compiled``: a lowered program bound to an executable, run on ``ShardedArray``s.
 
-Input and output shardings are fixed at compile time; every call only checks
-the arguments against them, binds their per-device buffers, enqueues the
-executable and wraps the output buffers (asynchronously on GPU: the outputs
-carry per-device ready events).
+Input and output shardings are fixed at compile time (the output shardings are
+read once from the partitioned module's root, as PyTorch/XLA caches
+``GetOutputShardings`` per compilation rather than per execution). Everything
+a call needs that does not depend on the arguments (argument names, expected
+layouts, the donated set, the output wrappers' metadata, the metrics objects)
+is built once in ``Compiled.__init__``; a call only checks the arguments
+against them, binds their per-device buffers, enqueues the executable and wraps
+the output buffers (asynchronously on GPU: the outputs carry per-device ready
+events and a consumer waits for them on the device, never on the host).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -22,6 +28,29 @@ from spmd.sharding import NamedSharding
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
+_EXECUTE = metrics.timer("execute")
+_DONATIONS = metrics.counter("donations")
+_OUTPUT_SHARDINGS = metrics.counter("output_shardings.computed")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What one flat tensor argument of a ``Compiled`` must look like.
+
+    Fields:
+      name: how errors name it, e.g. ``"mlp: argument args[1]['w']"``.
+      shape: global shape (``torch.Size``).
+      dtype: element type.
+      sharding: the compiled input sharding.
+      donated: whether the call takes the array's buffers (``donate_argnums``).
+    """
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    sharding: NamedSharding
+    donated: bool
+
 
 class Compiled:
     """An executable for fixed argument shapes, dtypes and shardings.
@@ -32,6 +61,7 @@ class Compiled:
     Attributes:
       input_shardings / output_shardings: one ``NamedSharding`` per flat
         tensor input / output, computed once at compile time.
+      input_specs: one ``InputSpec`` per flat tensor input.
       module: the final (partitioned, scheduled) HLO-lite module.
     """
 
@@ -43,10 +73,19 @@ class Compiled:
         self.name = lowered.jitted.__name__
         self.input_shardings: list[NamedSharding] = [leaf.sharding for leaf in lowered.in_leaves]
         self.output_shardings: list[NamedSharding] = output_shardings
-        self._output_shapes = output_shapes
-        self._output_dtypes = output_dtypes
-        self._donated = frozenset(self._donated_leaves())
         self.buffers = buffers
+        self._reshard_inputs = bool(lowered.jitted.reshard_inputs)
+        self._donated = frozenset(self._donated_leaves())
+        names = _leaf_names(lowered.arg_tree, lowered.static_leaves)
+        self.input_specs: tuple[InputSpec, ...] = tuple(
+            InputSpec(f"{self.name}: argument {names[i]}", torch.Size(leaf.shape), leaf.dtype, leaf.sharding,
+                      i in self._donated)
+            for i, leaf in enumerate(lowered.in_leaves))
+        self._num_positional = lowered.arg_tree.num_children
+        self._tensor_positions = tuple(i for i in range(lowered.arg_tree.num_leaves) if i not in lowered.static_leaves)
+        self._outputs = tuple(zip(output_shardings, (torch.Size(s) for s in output_shapes), output_dtypes,
+                                  strict=True))
+        self._no_events = (None,) * len(self.mesh.devices)
 
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""
@@ -60,71 +99,117 @@ class Compiled:
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args):
+        """Run on ``args`` (the structure ``lower`` saw); returns the outputs' pytree of ShardedArrays.
+
+        Raises ValueError for a wrong number of positional arguments, another
+        pytree structure, a changed static argument, and everything
+        ``execute_sharded`` raises.
+        """
+        if len(args) != self._num_positional:
+            raise ValueError(f"{self.name}: expected {self._num_positional} positional arguments, got {len(args)}")
         leaves, tree = pytree.tree_flatten(args)
         if tree != self.lowered.arg_tree:
             raise ValueError(f"{self.name}: arguments have structure {tree}, expected {self.lowered.arg_tree}")
         return self._call_flat(leaves)
 
     def _call_flat(self, leaves: list):
-        tensors = []
-        for i, leaf in enumerate(leaves):
-            if i in self.lowered.static_leaves:
-                if leaf != self.lowered.static_leaves[i]:
-                    raise ValueError(f"{self.name}: static argument leaf {i} is {leaf!r}, "
-                                     f"compiled for {self.lowered.static_leaves[i]!r}")
-            else:
-                tensors.append(leaf)
-        outputs = self.execute_sharded(tensors)
-        return pytree.tree_unflatten(outputs, self.lowered.out_tree)
+        """Run on the flattened leaves (static ones included); returns the outputs' pytree."""
+        static = self.lowered.static_leaves
+        if static:
+            for i, value in static.items():
+                if leaves[i] != value:
+                    raise ValueError(f"{self.name}: static argument leaf {i} is {leaves[i]!r}, compiled for {value!r}")
+            leaves = [leaves[i] for i in self._tensor_positions]
+        return pytree.tree_unflatten(self.execute_sharded(leaves), self.lowered.out_tree)
 
     def execute_sharded(self, args: Sequence[ShardedArray | torch.Tensor]) -> list[ShardedArray]:
         """Run on the flat list of tensor inputs; returns the flat list of outputs.
 
+        Args:
+          args: one ``ShardedArray`` per flat tensor input, of the compiled
+            global shape, dtype and sharding (``input_specs``). A
+            ``torch.Tensor`` is placed with ``device_put`` first.
+        Returns:
+          One ``ShardedArray`` per output, laid out as ``output_shardings``;
+          on GPU they are returned before the devices finish (each carries
+          per-device ready events).
         Raises:
           ValueError: wrong number of arguments, or an argument whose shape,
-            dtype, mesh or sharding differs from the compiled one (resharded on
-            device instead when the jit allowed it), or a donated array.
+            dtype, mesh or sharding differs from the compiled one (a sharding
+            on the same mesh is resharded on device instead when the jit was
+            made with ``reshard_inputs=True``), or a donated array that is
+            also passed in another position.
+          DeletedArrayError (a ValueError): a deleted or donated array.
           TypeError: an argument that is neither a ShardedArray nor a Tensor.
         """
         start = time.perf_counter()
-        if len(args) != len(self.input_shardings):
-            raise ValueError(f"{self.name}: expected {len(self.input_shardings)} array arguments, got {len(args)}")
-        arrays = [self._bind(i, a) for i, a in enumerate(args)]
-        buffers = [a._buffers for a in arrays]
-        ready = [a._ready_events for a in arrays]
-        out_buffers, events = self.executable.run(buffers, ready, self._donated)
-        for i in self._donated:
-            arrays[i].delete(reason=f"donated to {self.name}")
-            metrics.counter("donations").inc()
-        outs = [
-            ShardedArray._from_buffers(b, s, shape, dtype, events)
-            for b, s, shape, dtype in zip(out_buffers, self.output_shardings, self._output_shapes, self._output_dtypes)
-        ]
-        metrics.timer("execute").record(time.perf_counter() - start)
+        specs = self.input_specs
+        if len(args) != len(specs):
+            raise ValueError(f"{self.name}: expected {len(specs)} array arguments, got {len(args)}")
+        arrays = list(args)
+        buffers = []
+        events = None
+        for i, (spec, a) in enumerate(zip(specs, arrays)):
+            if (type(a) is not ShardedArray or a._deleted_reason is not None or a._sharding != spec.sharding
+                    or a._shape != spec.shape or a._dtype != spec.dtype):
+                a = arrays[i] = self._bind_slow(spec, a)
+            buffers.append(a._buffers)
+            if a._ready_events is not None:
+                events = True
+        if events:
+            events = [a._ready_events or self._no_events for a in arrays]
+        if self._donated:
+            self._check_donation(args, arrays)
+        out_buffers, ready = self.executable.run(buffers, events, self._donated)
+        if self._donated:
+            self._kill_donated(args, arrays)
+        if ready[0] is None:
+            ready = None
+        outs = [ShardedArray._from_buffers(b, sharding, shape, dtype, ready)
+                for b, (sharding, shape, dtype) in zip(out_buffers, self._outputs)]
+        _EXECUTE.record(time.perf_counter() - start)
         return outs
 
-    def _bind(self, i: int, arg) -> ShardedArray:
-        leaf = self.lowered.in_leaves[i]
-        name = f"{self.name} argument {i}"
+    def _bind_slow(self, spec: InputSpec, arg) -> ShardedArray:
+        """Check an argument that is not already laid out as compiled; place or reshard it."""
         if isinstance(arg, torch.Tensor):
-            self._check_meta(name, tuple(arg.shape), arg.dtype, leaf)
-            metrics.counter("transfer.to_device").inc()
-            return device_put(arg, leaf.sharding)
+            _check_meta(spec, tuple(arg.shape), arg.dtype)
+            return device_put(arg, spec.sharding)
         if not isinstance(arg, ShardedArray):
-            raise TypeError(f"{name}: expected a ShardedArray or torch.Tensor, got {type(arg).__name__}")
-        arg._check_alive(name)
-        self._check_meta(name, tuple(arg.shape), arg.dtype, leaf)
-        if arg.sharding != leaf.sharding:
-            if not self.lowered.jitted.reshard_inputs:
-                raise ValueError(f"{name}: expected sharding {leaf.sharding}, got {arg.sharding} "
-                                 "(pass reshard_inputs=True to spmd.jit to reshard on device)")
-            arg = arg.reshard(leaf.sharding)
-        return arg
+            raise TypeError(f"{spec.name}: expected a ShardedArray or torch.Tensor, got {type(arg).__name__}")
+        arg._check_alive(spec.name)
+        _check_meta(spec, tuple(arg.shape), arg.dtype)
+        if arg.sharding.mesh != spec.sharding.mesh:
+            raise ValueError(f"{spec.name}: expected an array on mesh {spec.sharding.mesh}, got one on mesh "
+                             f"{arg.sharding.mesh} (move it with spmd.device_put(array.to_torch(), sharding))")
+        if not self._reshard_inputs:
+            raise ValueError(f"{spec.name}: expected sharding {spec.sharding}, got {arg.sharding} "
+                             "(pass reshard_inputs=True to spmd.jit to reshard on device)")
+        return arg.reshard(spec.sharding)
 
-    @staticmethod
-    def _check_meta(name: str, shape, dtype, leaf) -> None:
-        if shape != leaf.shape or dtype != leaf.dtype:
-            raise ValueError(f"{name}: expected {leaf.dtype}{list(leaf.shape)}, got {dtype}{list(shape)}")
+    def _check_donation(self, args, arrays: list[ShardedArray]) -> None:
+        """Raise when a donated array's buffers are also passed in another position."""
+        donated = {}
+        for i in self._donated:
+            for b in arrays[i]._buffers:
+                donated[b.untyped_storage().data_ptr()] = i
+        for j, a in enumerate(arrays):
+            for b in a._buffers:
+                i = donated.get(b.untyped_storage().data_ptr(), j)
+                if i != j:
+                    raise ValueError(f"{self.input_specs[i].name}: is donated, but its buffers are also passed as "
+                                     f"{self.input_specs[j].name.split(': ', 1)[1]}; expected a donated array to "
+                                     "be passed once")
+
+    def _kill_donated(self, args, arrays: list[ShardedArray]) -> None:
+        """Delete the donated arrays (and the caller's original when it was resharded or placed)."""
+        reason = f"donated to {self.name}"
+        for i in self._donated:
+            arrays[i].delete(reason=reason)
+            original = args[i]
+            if isinstance(original, ShardedArray) and original is not arrays[i]:
+                original.delete(reason=reason)
+            _DONATIONS.inc()
 
     # ------------------------------------------------------------ inspection
     def collectives(self) -> list[dict]:
@@ -151,6 +236,18 @@ class Compiled:
         if not counts:
             return "no collectives"
         return "\n".join(f"{op}: {counts[op]} x, {nbytes[op] / 2**20:.3f} MiB sent per device" for op in sorted(counts))
+
+
+def _check_meta(spec: InputSpec, shape: tuple, dtype: torch.dtype) -> None:
+    if shape != tuple(spec.shape) or dtype != spec.dtype:
+        raise ValueError(f"{spec.name}: expected {spec.dtype}{list(spec.shape)}, got {dtype}{list(shape)}")
+
+
+def _leaf_names(arg_tree, static_leaves) -> list[str]:
+    """Per flat tensor input, its path in the positional arguments, e.g. ``args[1]['w']``."""
+    marks = pytree.tree_unflatten(list(range(arg_tree.num_leaves)), arg_tree)
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(marks)[0]]
+    return [f"args{paths[i]}" for i in range(arg_tree.num_leaves) if i not in static_leaves]
 
 
 def _bytes_moved(op: str, operand_bytes: int, n: int) -> int:
@@ -182,7 +279,12 @@ def compile_module(lowered) -> Compiled:
 
 
 def output_layout(lowered):
-    """Output NamedShardings (from the partitioned module's root), global shapes and dtypes."""
+    """Output NamedShardings (from the partitioned module's root), global shapes and dtypes.
+
+    Runs once per compilation (counted by the ``output_shardings.computed``
+    metrics counter); every call reuses the result.
+    """
+    _OUTPUT_SHARDINGS.inc()
     mesh = lowered.jitted.mesh
     root = lowered.result.module.entry.root
     outputs = root.operands if root.opcode == "tuple" else [root]

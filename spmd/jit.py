@@ -174,5 +174,8 @@ def _as_named(spec, mesh: Mesh, what: str) -> NamedSharding | None:
             raise ValueError(f"{what}: sharding is on mesh {spec.mesh}, expected the jit mesh {mesh}")
         return spec
     if isinstance(spec, PartitionSpec):
-        return NamedSharding(mesh, spec)
+        try:
+            return NamedSharding(mesh, spec)
+        except ValueError as e:  # name the argument instead of NamedSharding's ``spec``
+            raise ValueError(f"{what}: {str(e).removeprefix('spec: ')}") from None
     raise TypeError(f"{what}: expected a PartitionSpec, NamedSharding or None, got {type(spec).__name__}")

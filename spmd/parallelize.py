@@ -14,6 +14,7 @@ The forward is ``torch.func.functional_call(module, params, inputs)`` staged wit
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections import Counter
@@ -23,9 +24,10 @@ import torch
 from torch import nn
 
 from spmd.array import ShardedArray, device_put
+from spmd.frontend.constraint import with_sharding_constraint
 from spmd.jit import jit
 from spmd.mesh import Mesh
-from spmd.models.plans import Plan, resolve_plan
+from spmd.models.plans import Plan, activation_layouts, resolve_plan
 from spmd.passes.pipeline import CompileOptions
 from spmd.sharding import NamedSharding, PartitionSpec
 
@@ -87,7 +89,8 @@ class ParallelModule:
         key = self._key(inputs)
         if key not in self._compiled_by_key:
             start = time.perf_counter()
-            lowered = self._jit_for(len(inputs)).lower(self.params, *inputs)
+            with _activation_hooks(self.module, self.plan):
+                lowered = self._jit_for(len(inputs)).lower(self.params, *inputs)
             compiled = lowered.compile()
             self.compile_s = time.perf_counter() - start
             self._compiled_by_key[key] = (lowered, compiled)
@@ -103,6 +106,33 @@ class ParallelModule:
         split = sum(1 for s in self.param_specs.values() if any(e is not None for e in s))
         return (f"ParallelModule({type(self.module).__name__}, {self.mesh!r}, "
                 f"{split}/{len(self.param_specs)} parameters sharded over {self.plan.tp_axis!r})")
+
+
+def _split(t, dim: int | None, axis: str):
+    """``t`` constrained to be split on ``dim`` over ``axis`` (other dims unsplit); non-tensors pass through."""
+    if dim is None or not isinstance(t, torch.Tensor) or not -t.dim() <= dim < t.dim():
+        return t
+    dim %= t.dim()
+    return with_sharding_constraint(t, [axis if d == dim else None for d in range(t.dim())])
+
+
+@contextlib.contextmanager
+def _activation_hooks(module: nn.Module, plan: Plan):
+    """While tracing, pin the activation layouts the plan asks for (see ``plans.activation_layouts``)."""
+    handles = []
+    axis = plan.tp_axis
+    for name, in_dim, out_dim in activation_layouts(module, plan):
+        sub = module.get_submodule(name)
+        if in_dim is not None:
+            handles.append(sub.register_forward_pre_hook(
+                lambda _m, args, d=in_dim: tuple(_split(a, d, axis) for a in args)))
+        if out_dim is not None:
+            handles.append(sub.register_forward_hook(lambda _m, _args, out, d=out_dim: _split(out, d, axis)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def parallelize(

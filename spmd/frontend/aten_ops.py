@@ -265,6 +265,23 @@ register(aten.max.dim)(_minmax("maximum", True))
 register(aten.min.dim)(_minmax("minimum", True))
 
 
+@register(aten.linalg_vector_norm.default)
+def _vector_norm(em: Emitter, a: dict, val) -> Instruction:
+    """p-norm over dims for ord 2, 1 and +inf (F.normalize, gradient clipping)."""
+    x = em.convert(a["self"], out_dtype(val))
+    dims = norm_dims(a.get("dim"), x.shape.rank)
+    order = a["ord"]
+    if order == 2:
+        r = em.unary("sqrt", em.reduce(em.binary("multiply", x, x), dims, "add"))
+    elif order == 1:
+        r = em.reduce(em.unary("abs", x), dims, "add")
+    elif order == math.inf:
+        r = em.reduce(em.unary("abs", x), dims, "maximum")
+    else:
+        raise NotImplementedError(f"vector norm of order {order}")
+    return _keep(em, r, val)
+
+
 def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int, ...]]:
     """Biased-or-corrected variance and mean over dims, both with reduced dims removed."""
     x = a["self"]

@@ -204,4 +204,6 @@ class BertSentenceEncoder(nn.Module):
         x = self.encoder(x, mask_bias)
         summed = (x * keep[:, :, None]).sum(dim=1)  # [B, H]
         count = keep.sum(dim=1, keepdim=True).clamp(min=1e-9)  # [B, 1]
-        return F.normalize(summed / count, p=2.0, dim=1)
+        mean = summed / count
+        norm = (mean * mean).sum(dim=1, keepdim=True).sqrt().clamp(min=1e-12)  # as F.normalize(p=2, eps=1e-12)
+        return mean / norm

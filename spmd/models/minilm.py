@@ -171,6 +171,9 @@ def reference_embeddings(sentences: list[str] | tuple[str, ...], model_dir: str 
     if importlib.util.find_spec("sentence_transformers") is None:
         return None
     from sentence_transformers import SentenceTransformer  # noqa: PLC0415
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
-    st = SentenceTransformer(str(find_model_dir(model_dir)), device="cpu")
+    hf_logging.disable_progress_bar()
+    # float32 even when the stored weights are float16/bfloat16 (the model is then compared in float32).
+    st = SentenceTransformer(str(find_model_dir(model_dir)), device="cpu", model_kwargs={"dtype": torch.float32})
     return st.encode(list(sentences), convert_to_tensor=True, batch_size=len(sentences)).float().cpu()

@@ -72,10 +72,13 @@ class RowwiseParallel(ParallelStyle):
 
 @dataclass(frozen=True)
 class SequenceParallel(ParallelStyle):
-    """A norm (LayerNorm / RMSNorm) whose activations are meant to be split on ``seq_dim``.
+    """A norm (LayerNorm / RMSNorm) whose input and output are split on ``seq_dim`` over tp.
 
-    Its parameters are replicated. The activation layout is a hint for the compiler's sharding
-    propagation; ``resolve_plan`` only produces parameter specs.
+    Its parameters are replicated. ``spmd.parallelize`` pins the activation layout with
+    ``spmd.with_sharding_constraint`` on the module's input and output while tracing, so the
+    compiler all-gathers the sequence before the next colwise linear and reduce-scatters the
+    partial sums of the rowwise linear (Korthikanti et al., "Reducing Activation Recomputation
+    in Large Transformer Models", 2022).
     """
 
     seq_dim: int = 1
@@ -204,6 +207,31 @@ def resolve_plan(module: nn.Module, mesh, plan: Plan) -> dict[str, PartitionSpec
     unused = [plan.rules[k][0] for k, u in enumerate(used) if not u]
     if unused:
         raise ValueError(f"plan: pattern(s) {unused} match no parameter or module of {type(module).__name__}")
+    return out
+
+
+def activation_layouts(module: nn.Module, plan: Plan) -> list[tuple[str, int | None, int | None]]:
+    """Activation dims to split over tp, as (module name, input dim or None, output dim or None).
+
+    Empty unless the plan has a ``SequenceParallel`` rule. Then (Megatron sequence parallelism,
+    as torch's styles with ``output_layouts``): a ``SequenceParallel`` module has its input and
+    output split on ``seq_dim``; a ``ColwiseParallel`` module its output on the last dim; a
+    ``RowwiseParallel`` module its output on ``seq_dim`` (its partial sums are reduce-scattered).
+    Modules are those whose own name a rule matches first. Dims may be negative.
+    """
+    sp = [style for _, style in plan.rules if isinstance(style, SequenceParallel)]
+    if not sp:
+        return []
+    seq = sp[0].seq_dim
+    out = []
+    for name, _ in module.named_modules():
+        style = next((st for pattern, st in plan.rules if name and _segment_match(name, pattern)), None)
+        if isinstance(style, SequenceParallel):
+            out.append((name, style.seq_dim, style.seq_dim))
+        elif isinstance(style, ColwiseParallel):
+            out.append((name, None, -1))
+        elif isinstance(style, RowwiseParallel):
+            out.append((name, None, seq))
     return out
 
 

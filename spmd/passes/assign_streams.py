@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
-from spmd.passes.windowed_einsum import MARK, STREAMS_KEY, _stable_toposort
+from spmd.passes.windowed_einsum import MARK, STREAMS_KEY, stable_toposort
 
 AUTO_MAX_STREAMS = 2  # compute streams the cost model may advise (cost_model.decide)
 
@@ -103,7 +103,7 @@ class AssignStreams:
         for inst in out:
             inst.operands = [repl.get(id(o), o) for o in inst.operands]
         comp.root = repl.get(id(comp.root), comp.root)
-        comp.instructions = _stable_toposort(out)
+        comp.instructions = stable_toposort(out)
         return module
 
     def _units(self, comp: Computation) -> dict[int, list[Instruction]]:

@@ -270,6 +270,54 @@ def dot_dims(inst: Instruction):
 
 
 def _dot(inst, current, out, mesh) -> Plan:
+    """The cheapest of the dot plans that differ in which operand keeps a contested mesh axis.
+
+    When the same axis shards a free dim of both operands (e.g. x split on rows and w on
+    columns, both over ``tp``) only one can keep it; the other is all-gathered. As in GSPMD's
+    dot handler, the candidates are costed by the bytes each device would receive to reshard
+    the operands (and the result, when its wanted sharding is known), and the cheapest wins;
+    ties keep the lhs-first order.
+    """
+    candidates = [_dot_plan(inst, current, out, mesh, rhs_first) for rhs_first in (False, True)]
+    if candidates[0] == candidates[1]:
+        return candidates[0]
+    costs = [_plan_cost(inst, current, out, p, mesh) for p in candidates]
+    return candidates[1] if costs[1] < costs[0] else candidates[0]
+
+
+def _plan_cost(inst, current, out, p: Plan, mesh) -> float:
+    cost = sum(reshard_bytes(o.shape, c, w, mesh) for o, c, w in zip(inst.operands, current, p.operands, strict=False)
+               if c is not None)
+    if out is not None:
+        cost += reshard_bytes(inst.shape, p.result, out, mesh)
+    return cost
+
+
+def reshard_bytes(shape, src: TensorSharding, dst: TensorSharding, mesh: MeshShape) -> float:
+    """Approximate bytes one device receives to reshard a value of ``shape`` from ``src`` to ``dst``.
+
+    Axes dropped from a dim are all-gathered (local size × (n − 1)); partial axes that
+    ``dst`` does not keep are reduced (≈ local size); an axis moving between dims is an
+    all-to-all (≈ local size); axes that ``dst`` adds are a local slice (free).
+    """
+    local = shape.numel * shape.itemsize / max(1, mesh.axes_size(src.used_axes()))
+    cost = 0.0
+    dst_dim_of = {a: i for i, d in enumerate(dst.dims) for a in d}
+    for i, axes in enumerate(src.dims):
+        for a in axes:
+            j = dst_dim_of.get(a)
+            if j is None:
+                cost += local * (mesh.size(a) - 1)
+                local *= mesh.size(a)
+            elif j != i:
+                cost += local
+    for a in src.partial:
+        if a not in dst.partial:
+            cost += local
+    return cost
+
+
+def _dot_plan(inst, current, out, mesh, rhs_first: bool) -> Plan:
     lb, rb, lc, rc, lf, rf = dot_dims(inst)
     a, b = current
     pa, pb = _p(a), _p(b)
@@ -279,8 +327,19 @@ def _dot(inst, current, out, mesh) -> Plan:
     nb = len(lb)
     batch = [picker.pick(_d(a, i), _d(b, j), _d(out, k)) for k, (i, j) in enumerate(zip(lb, rb, strict=False))]
     contract = [picker.pick(_d(a, i), _d(b, j)) for i, j in zip(lc, rc, strict=False)]
-    lfree = [picker.pick(_d(a, i), _d(out, nb + k)) for k, i in enumerate(lf)]
-    rfree = [picker.pick(_d(b, i), _d(out, nb + len(lf) + k)) for k, i in enumerate(rf)]
+
+    def pick_lfree():
+        return [picker.pick(_d(a, i), _d(out, nb + k)) for k, i in enumerate(lf)]
+
+    def pick_rfree():
+        return [picker.pick(_d(b, i), _d(out, nb + len(lf) + k)) for k, i in enumerate(rf)]
+
+    if rhs_first:
+        rfree = pick_rfree()
+        lfree = pick_lfree()
+    else:
+        lfree = pick_lfree()
+        rfree = pick_rfree()
     lhs, rhs = [()] * inst.operands[0].shape.rank, [()] * inst.operands[1].shape.rank
     for axes, i, j in zip(batch, lb, rb, strict=False):
         lhs[i], rhs[j] = axes, axes

@@ -96,7 +96,7 @@ class WindowedEinsum:
             site.rewrite(_Emitter(module, streams), comp, bidir and site.chunk >= 2)
             users, changed = comp.users(), True
         if changed:
-            comp.instructions = _stable_toposort(comp.instructions)
+            comp.instructions = stable_toposort(comp.instructions)
         return module
 
     def _choose(self, site: _AgSite | _RsSite) -> tuple[bool, int | None] | None:
@@ -443,7 +443,7 @@ def _replace(comp: Computation, old: Instruction, new: Instruction) -> None:
     new.name, new.sharding = old.name, old.sharding
 
 
-def _stable_toposort(insts: list[Instruction]) -> list[Instruction]:
+def stable_toposort(insts: list[Instruction]) -> list[Instruction]:
     """A def-before-use order that keeps the given order wherever dependencies allow."""
     index = {id(i): k for k, i in enumerate(insts)}
     pending = {id(i): len({id(o) for o in i.operands if id(o) in index}) for i in insts}

@@ -58,6 +58,7 @@ class _ArenaPool:
     def __init__(self, devices: Sequence[torch.device], size_bytes: int, views: Sequence[ArenaView]) -> None:
         self._devices, self._size, self._views = list(devices), size_bytes, list(views)
         self._free: list[list[list[Tensor]]] = []
+        self.streams: list | None = None  # per device main CUDA stream, set by the executable
         self._lock = threading.Lock()
 
     def acquire(self) -> list[list[Tensor]]:
@@ -67,15 +68,20 @@ class _ArenaPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return [self._make(dev) for dev in self._devices]
+        return [self._make(k) for k in range(len(self._devices))]
 
     def release(self, views: list[list[Tensor]]) -> None:
         if self._views:
             with self._lock:
                 self._free.append(views)
 
-    def _make(self, dev: torch.device) -> list[Tensor]:
-        arena = torch.empty(self._size, dtype=torch.uint8, device=dev)
+    def _make(self, k: int) -> list[Tensor]:
+        dev = self._devices[k]
+        if self.streams is not None:  # allocated on the executable's main stream, which uses it
+            with torch.cuda.stream(self.streams[k]):
+                arena = torch.empty(self._size, dtype=torch.uint8, device=dev)
+        else:
+            arena = torch.empty(self._size, dtype=torch.uint8, device=dev)
         out = []
         for v in self._views:
             n = 1
@@ -136,6 +142,7 @@ class Executable:
             from spmd.runtime.streams import create_envs
 
             self._envs = create_envs(self.devices, self.pids, self.program.stream_ids, self.program.num_events)
+            self._arenas.streams = [env.main for env in self._envs]
         elif options.cpu_parallel and len(self.devices) > 1:
             self._pool = ThreadPoolExecutor(max_workers=len(self.devices) - 1, thread_name_prefix="spmd-cpu")
 
@@ -284,8 +291,10 @@ class Executable:
                             _run_segment_gpu(step.thunks, call.vals[k], call.views[k], env)
                         else:
                             _traced_segment_gpu(step.thunks, call.vals[k], call.views[k], env, trace, bases[k])
-                else:
+                elif trace is None:
                     self._collective(step, call)
+                else:
+                    _traced_collective_gpu(self, step, call, trace, bases)
             for env in envs:
                 torch.cuda.set_stream(env.main)
             outputs = self._outputs(program, call)
@@ -343,3 +352,15 @@ def _traced_segment_gpu(thunks, vals: list, views: list, env: Any, trace: Any, b
         trace.add_gpu(env.pid, th.stream_id, th.name, base, start, stop)
         for s in th.release:
             vals[s] = None
+
+
+def _traced_collective_gpu(ex: Executable, th: CollectiveThunk, call: _Call, trace: Any, bases: list) -> None:
+    pairs = []
+    for env in ex._envs:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(env.streams[th.stream_id])
+        pairs.append((start, stop))
+    ex._collective(th, call)
+    for env, base, (start, stop) in zip(ex._envs, bases, pairs, strict=True):
+        stop.record(env.streams[th.stream_id])
+        trace.add_gpu(env.pid, th.stream_id, th.name, base, start, stop)

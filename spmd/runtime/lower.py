@@ -260,7 +260,8 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     Returns:
       The ``Program``.
     Raises:
-      ValueError: the module is not partitioned, or uses tuple-valued parameters/operands.
+      ValueError: the module is not partitioned, uses tuple-valued parameters/operands, or
+        repeats an instruction name while ``buffers`` is given.
     """
     if not module.is_partitioned:
         raise ValueError(f"module: expected a partitioned module (is_partitioned=True), "
@@ -317,6 +318,11 @@ def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaVi
     op_buffers: dict[int, int] = {}
     if buffers is None:
         return views, op_buffers
+    names = [op.buffer_name for op in ops if op.buffer_name is not None]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"buffers: instruction names must be unique to key a BufferAssignment; "
+                         f"repeated: {dup[:5]}")
     offsets = buffers.offsets_bytes
     for k, op in enumerate(ops):
         name = op.buffer_name

@@ -120,7 +120,8 @@ def test_creation_and_masked_fill():
     def f(x):
         causal = torch.ones(4, 4, dtype=torch.bool).tril()
         s = x.masked_fill(~causal, float("-inf"))
-        return (torch.softmax(s, -1) + torch.zeros_like(x) + torch.full((4, 4), 0.25),
+        return (torch.softmax(s, -1) + torch.zeros_like(x) + torch.full((4, 4), 0.25), F.normalize(x, dim=-1),
+                torch.linalg.vector_norm(x, ord=1, dim=0), x.norm(dim=1, keepdim=True),
                 torch.arange(1, 9, 2, dtype=torch.float32), F.log_softmax(x, dim=0))
 
     check(f, (torch.randn(4, 4),))

@@ -100,3 +100,14 @@ def test_heads_unit_needs_head_dim():
     m = nn.Sequential(nn.Linear(8, 16))
     with pytest.raises(ValueError, match="head_dim"):
         plans.resolve_plan(m, TP4, plans.Plan((("0", plans.ColwiseParallel(unit="heads")),)))
+
+
+def test_activation_layouts_only_with_sequence_parallel():
+    m = gpt.gpt3_layers(small=True, device="meta")
+    assert plans.activation_layouts(m, plans.gpt_plan()) == []
+    layouts = dict((n, (i, o)) for n, i, o in plans.activation_layouts(m, plans.gpt_plan(sequence_parallel=True)))
+    assert layouts["layers.0.ln_1"] == (1, 1)
+    assert layouts["layers.0.attn.q_proj"] == (None, -1)
+    assert layouts["layers.0.attn.out_proj"] == (None, 1)
+    assert layouts["layers.0.mlp.fc_out"] == (None, 1)
+    assert "layers.0.attn" not in layouts

@@ -143,3 +143,20 @@ def test_rejects_bad_user_shardings(bad, match):
     b.set_root(b.unary("negate", x))
     with pytest.raises(ValueError, match=match):
         PropagateSharding().run(m)
+
+
+@pytest.mark.parametrize("m, n, gathered", [(64, 256, "x"), (256, 64, "w")])
+def test_contested_axis_gathers_the_smaller_operand(m, n, gathered):
+    """x split on rows and w on columns over one axis: the cheaper operand is all-gathered."""
+    text = f"""HloModule m, num_partitions=2, mesh={{tp=2}}
+
+ENTRY %main (x: f32[{m},32], w: f32[32,{n}]) -> f32[{m},{n}] {{
+  %x = f32[{m},32] parameter(0), sharding={{devices=[2,1]<=[2]}}
+  %w = f32[32,{n}] parameter(1), sharding={{devices=[1,2]<=[2]}}
+  ROOT %d = f32[{m},{n}] dot(%x, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+"""
+    module = PropagateSharding().run(parse_module(text))
+    root = module.entry.root
+    want = ((), ("tp",)) if gathered == "x" else (("tp",), ())
+    assert root.sharding.dims == want

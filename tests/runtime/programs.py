@@ -92,9 +92,9 @@ def windowed_all_gather_dot(n: int, m: int = 4, k: int = 16, f: int = 8, dtype: 
                          f"source_target_pairs={pairs}, stream_id={cp_stream}")
         if async_dot:
             bodies.append(f"""%body.{i} (a: {dtype}[{m},{k}], b: {dtype}[{k},{f}]) -> {dtype}[{m},{f}] {{
-  %a = {dtype}[{m},{k}] parameter(0)
-  %b = {dtype}[{k},{f}] parameter(1)
-  ROOT %d = {dtype}[{m},{f}] dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %a.{i} = {dtype}[{m},{k}] parameter(0)
+  %b.{i} = {dtype}[{k},{f}] parameter(1)
+  ROOT %d.{i} = {dtype}[{m},{f}] dot(%a.{i}, %b.{i}), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
 }}
 """)
             start_shape = f"(({dtype}[{m},{k}], {dtype}[{k},{f}]), {dtype}[{m},{f}])"

@@ -139,7 +139,8 @@ def test_arg_ready_events_and_trace():
     torch.testing.assert_close(outs[0][1].cpu(), expect, rtol=1e-3, atol=1e-3)
     events = rec.events()
     assert {e.device for e in events} == {0, 1}
-    assert {e.stream_id for e in events} >= {0, 1}
+    assert {e.stream_id for e in events} == {0, 1, 2}
+    assert sum(e.name.startswith("cp.") for e in events) == 2 * (N - 1)
 
 
 @pytest.mark.gpu(count=2)
@@ -171,3 +172,22 @@ def test_donated_kv_cache_on_gpus():
         ev.synchronize()
         assert outs[0][d].data_ptr() == args[0][d].data_ptr()
         torch.testing.assert_close(outs[0][d].cpu(), ref[0][d])
+
+
+@pytest.mark.gpu(count=2)
+@pytest.mark.parametrize("async_dot", [False, True])
+def test_windowed_program_with_the_assign_buffers_pass(async_dot):
+    from spmd.passes.assign_buffers import assign_buffers
+
+    m, k, f = 256, 512, 384
+    module = windowed_all_gather_dot(N, m=m, k=k, f=f, async_dot=async_dot)
+    ex = Executable(module, _gpu_mesh(module), assign_buffers(module))
+    assert ex.program.arena_views
+    for _ in range(3):
+        xs = [torch.randn(m, k) for _ in range(N)]
+        w = torch.randn(k, f) / k ** 0.5
+        outs, ready = ex.run([[x.to(f"cuda:{d}") for d, x in enumerate(xs)], [w.to(f"cuda:{d}") for d in range(N)]])
+        for ev in ready:
+            ev.synchronize()
+        for d in range(N):
+            torch.testing.assert_close(outs[0][d].cpu(), torch.cat(xs) @ w, rtol=1e-3, atol=1e-3)

@@ -169,3 +169,18 @@ def test_cpu_trace_records_every_thunk_on_every_device():
     assert {e.device for e in events} == {0, 1}
     assert all(e.end_us >= e.start_us for e in events)
     assert len(rec.chrome_trace()["traceEvents"]) == len(events)
+
+
+@pytest.mark.parametrize("async_dot", [False, True])
+def test_with_the_assign_buffers_pass(async_dot):
+    from spmd.passes.assign_buffers import assign_buffers
+
+    m = windowed_all_gather_dot(4, m=8, k=16, f=8, async_dot=async_dot)
+    buffers = assign_buffers(m)
+    ex = Executable(m, FakeMesh(m.mesh), buffers)
+    for _ in range(2):
+        args = [[torch.randn(8, 16) for _ in range(4)], [torch.randn(16, 8)] * 4]
+        outs, _ = ex.run(args)
+        expect = torch.cat(args[0]) @ args[1][0]
+        for d in range(4):
+            torch.testing.assert_close(outs[0][d], expect, rtol=1e-5, atol=1e-5)
