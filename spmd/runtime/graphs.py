@@ -1,0 +1,457 @@
+"""CUDA-graph execution of an ``Executable``: capture the thunk sequence once, replay per call.
+
+This is the "command buffer" lowering of XLA's GPU runtime (xla/service/gpu/runtime/
+command_buffer_thunk), with a DAG instead of one stream: the whole thunk sequence of every
+local GPU -- every compute and communication stream, the cross-stream and cross-device
+event joins, NCCL collectives and peer copies -- is captured into one CUDA graph that a
+single launch replays (``spmd.runtime.graphs_cuda``). Entry point: ``maybe_graph``.
+
+Call protocol of a ``GraphRunner`` (same signature and results as ``Executable.run``):
+
+1. The first call runs eagerly. It warms up everything capture must not create: NCCL
+   communicators and their connections, cuBLAS handles and workspaces of every stream, peer
+   access (``CudaCommunicator`` enables it), the caching allocator's blocks.
+2. The second call captures, then replays; later calls replay.
+
+Argument binding (no allocation during capture: inputs are bound before it):
+
+- *adopted*: a parameter whose tensors had the same addresses and strides on the first two
+  calls, and that is not donated (weights, caches passed again and again), is captured
+  reading the caller's own tensors: no copy per call. The runner keeps a reference, so the
+  memory stays valid. If a later call passes other tensors for it, the parameter becomes
+  staged and the graphs are captured again (counter ``cuda_graphs.recapture``).
+- *staged*: every other parameter gets a private static buffer per device, allocated once
+  outside capture; each call copies the argument into it (one ``torch._foreach_copy_`` per
+  device), skipped when the argument already is that buffer (``input_buffers``).
+- Donation is accepted and ignored: outputs never alias arguments (the caller still gives
+  a donated buffer up; the runner never writes into it).
+
+Outputs and the aliasing rule (``GraphOptions.outputs``):
+
+- ``"clone"`` (default): each call returns fresh tensors, copied from the graph's static
+  outputs on the executable's main stream of each device right after the replay, exactly
+  like eager outputs: the caching allocator's stream semantics (``record_stream``) hold.
+  Static outputs never leave the runner, so a replay can never overwrite a held output.
+- ``"rotate"``: up to ``max_output_sets`` graphs are captured, each with its own static
+  outputs; a call returns (aliases of) one set's static outputs without any copy. A set is
+  replayed again only when no tensor or view of its outputs is alive outside the runner
+  (storage use counts); when every set is held, the call runs eagerly (counter
+  ``cuda_graphs.eager_call.outputs_held``). The caller must order every reader of an output
+  on the stream current at the next call (or wait for it) before dropping the last
+  reference: a reader on another stream that is still running could see a later replay's
+  values. Every output that would alias an argument, a persistent constant or the arena is
+  copied inside the graph, so outputs are always graph-owned memory.
+
+Fallbacks: where capture is impossible (a CPU mesh, one process per device, a PyTorch
+without the graph API, an op that cannot be captured), execution is eager; the reason is
+counted in ``spmd.metrics`` as ``cuda_graphs.fallback.<reason>`` and logged once on the
+``spmd`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spmd import metrics
+
+Tensor = torch.Tensor
+logger = logging.getLogger("spmd")
+
+MIN_THUNKS = 4  # with cuda_graphs=None, programs with fewer thunks per device stay eager
+OUTPUT_MODES = ("clone", "rotate")
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """How a ``GraphRunner`` hands out outputs and captures.
+
+    Fields:
+      outputs: "clone" (fresh output tensors per call) or "rotate" (static output sets, see
+        the module docstring for the aliasing rule).
+      max_output_sets: most graphs captured for "rotate" (>= 1; "clone" uses one).
+      capture_error_mode: ``cudaStreamCaptureMode`` of the capture: "thread_local" (default:
+        unsafe CUDA calls of this thread invalidate the capture, other threads are free),
+        "global" or "relaxed".
+    Raises:
+      ValueError: an unknown ``outputs`` or ``capture_error_mode``, or ``max_output_sets`` < 1.
+    """
+
+    outputs: str = "clone"
+    max_output_sets: int = 3
+    capture_error_mode: str = "thread_local"
+
+    def __post_init__(self) -> None:
+        if self.outputs not in OUTPUT_MODES:
+            raise ValueError(f"outputs: expected one of {OUTPUT_MODES}, got {self.outputs!r}")
+        if not isinstance(self.max_output_sets, int) or self.max_output_sets < 1:
+            raise ValueError(f"max_output_sets: expected an int >= 1, got {self.max_output_sets!r}")
+        if self.capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(f"capture_error_mode: expected one of {CAPTURE_ERROR_MODES}, "
+                             f"got {self.capture_error_mode!r}")
+
+
+class CaptureError(RuntimeError):
+    """Capturing the thunk sequence into a CUDA graph failed (the cause is chained)."""
+
+
+# ---------------------------------------------------------------------------- entry point
+def maybe_graph(executable: Any, options: Any = None, graph_options: GraphOptions | None = None) -> Any:
+    """``executable`` wrapped in a ``GraphRunner`` where CUDA graphs are on, else itself.
+
+    Args:
+      executable: an ``spmd.runtime.executor.Executable``.
+      options: a ``CompileOptions`` (its ``cuda_graphs`` field is read), or the mode itself:
+        None = on for GPU meshes whose program has at least ``MIN_THUNKS`` thunks per
+        device, True = on for every GPU mesh, False = off.
+      graph_options: ``GraphOptions`` of the runner.
+    Returns:
+      A ``GraphRunner`` or ``executable``; both have ``run(args, arg_ready, donated, trace)``.
+    Raises:
+      TypeError: ``options`` is neither None, a bool, nor has a ``cuda_graphs`` field.
+    """
+    mode = _mode(options)
+    if mode is False:
+        return executable
+    reason = fallback_reason(executable)
+    if reason is not None:
+        if mode is True or reason != "cpu_mesh":
+            record_fallback(reason, "cuda_graphs requested" if mode else "on by default for GPU meshes")
+        return executable
+    if mode is None and not graph_helps(executable.program):
+        logger.debug("cuda graphs: program of %d thunks per device stays eager", len(executable.program.thunks))
+        return executable
+    return GraphRunner(executable, graph_options or GraphOptions())
+
+
+def _mode(options: Any) -> bool | None:
+    if options is None or isinstance(options, bool):
+        return options
+    if not hasattr(options, "cuda_graphs"):
+        raise TypeError(f"options: expected CompileOptions, a bool or None, got {type(options).__name__}")
+    value = options.cuda_graphs
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"options.cuda_graphs: expected None, True or False, got {value!r}")
+    return value
+
+
+def fallback_reason(executable: Any) -> str | None:
+    """Why ``executable`` cannot run as a CUDA graph, or None when it can.
+
+    Reasons: "cpu_mesh" (virtual CPU devices), "distributed" (one process per device),
+    "no_cuda" (CUDA not available), "no_graph_api" (this PyTorch lacks ``CUDAGraph`` or the
+    allocator pool functions needed for several devices).
+    """
+    if getattr(executable, "mesh", None) is None or executable.mesh.platform != "cuda":
+        return "cpu_mesh"
+    if getattr(executable.options, "distributed", False):
+        return "distributed"
+    if not torch.cuda.is_available():
+        return "no_cuda"
+    from spmd.runtime import graphs_cuda
+
+    if not graphs_cuda.api_available(len(executable.devices)):
+        return "no_graph_api"
+    return None
+
+
+def graph_helps(program: Any) -> bool:
+    """Whether replaying ``program`` beats issuing it: at least ``MIN_THUNKS`` thunks per device.
+
+    A replay costs a few event records and waits per device plus the output copies; each
+    eager thunk costs one host-side issue (about 20 us for a kernel from Python).
+    """
+    return len(program.thunks) >= MIN_THUNKS
+
+
+def record_fallback(reason: str, detail: str = "") -> None:
+    """Count ``cuda_graphs.fallback.<reason>`` and log it once per process (``spmd`` logger)."""
+    metrics.counter(f"cuda_graphs.fallback.{reason}").inc()
+    _log_once(f"fallback.{reason}", "cuda graphs: running eagerly (%s)%s", reason, f": {detail}" if detail else "")
+
+
+def _log_once(key: str, msg: str, *args: Any) -> None:
+    with _logged_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger.warning(msg, *args)
+
+
+# ---------------------------------------------------------------------------- runner
+@dataclass(eq=False)
+class _Binding:
+    """How parameter ``i`` enters the graphs: the caller's own tensors, or static buffers."""
+
+    adopted: bool
+    tensors: list[Tensor]
+    ptrs: tuple
+
+
+class _OutputSet:
+    """One captured graph and the liveness of its static outputs (for "rotate")."""
+
+    def __init__(self, captured: Any, track: bool) -> None:
+        self.captured = captured
+        self.refs: list = []
+        self.baseline: list[int] = []
+        if track:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            self.refs = [StorageWeakRef(t.untyped_storage()) for per in captured.outputs for t in per]
+            self.baseline = [torch._C._storage_Use_Count(r.cdata) for r in self.refs]
+
+    def free(self) -> bool:
+        """No tensor or view of the static outputs is alive outside the runner."""
+        return all(torch._C._storage_Use_Count(r.cdata) <= b for r, b in zip(self.refs, self.baseline, strict=True))
+
+
+class GraphRunner:
+    """Runs an ``Executable`` by replaying CUDA graph(s) of its whole thunk sequence.
+
+    Args:
+      executable: the ``Executable`` (a GPU mesh for the default backend).
+      options: ``GraphOptions``.
+      backend: the capture/replay backend; default ``graphs_cuda.CudaGraphBackend``.
+        ``HostReplayBackend`` gives the same binding and aliasing semantics on CPU meshes.
+    Attributes of the executable (``program``, ``devices``, ...) are readable through the
+    runner. See the module docstring for the binding and output rules.
+    """
+
+    def __init__(self, executable: Any, options: GraphOptions = GraphOptions(), backend: Any = None) -> None:
+        if not isinstance(options, GraphOptions):
+            raise TypeError(f"options: expected GraphOptions, got {type(options).__name__}")
+        self.executable = executable
+        self.options = options
+        if backend is None:
+            from spmd.runtime.graphs_cuda import CudaGraphBackend
+
+            backend = CudaGraphBackend(executable, options.capture_error_mode)
+        self.backend = backend
+        self._rotate = options.outputs == "rotate" and hasattr(torch._C, "_storage_Use_Count")
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._warm_ptrs: list[tuple] = []
+        self._bound: list[_Binding] = []
+        self._sets: list[_OutputSet] = []
+        self._next = 0
+        self.disabled_reason: str | None = None
+        self._finalizer = weakref.finalize(self, backend.close)
+
+    def __getattr__(self, name: str) -> Any:
+        executable = self.__dict__.get("executable")
+        if executable is None:
+            raise AttributeError(name)
+        return getattr(executable, name)
+
+    @property
+    def num_captures(self) -> int:
+        """Graphs held now (one per output set)."""
+        return len(self._sets)
+
+    def input_buffers(self) -> list[list[Tensor] | None]:
+        """Per parameter, the static buffers (per device) a call copies into, or None if adopted.
+
+        Writing an argument straight into these buffers and passing them saves the copy.
+        Empty before the first capture.
+        """
+        return [None if b.adopted else list(b.tensors) for b in self._bound]
+
+    # ------------------------------------------------------------------ run
+    def run(self, args: Sequence[Sequence[Tensor]], arg_ready: Sequence[Any] | None = None,
+            donated: frozenset[int] = frozenset(), trace: Any = None) -> tuple[list[list[Tensor]], list[Any]]:
+        """Execute once; same arguments, results and errors as ``Executable.run``.
+
+        A call with ``trace`` runs eagerly (per-thunk timing needs eager issue).
+        """
+        ex = self.executable
+        if trace is not None or self.disabled_reason is not None:
+            if trace is not None:
+                metrics.counter("cuda_graphs.eager_call.trace").inc()
+            return ex.run(args, arg_ready, donated, trace)
+        ex._check_args(args)
+        with self._lock:
+            self._calls += 1
+            if self._calls == 1:
+                self._warm_ptrs = [_ptrs(per) for per in args]
+                metrics.counter("cuda_graphs.eager_call.warmup").inc()
+                return ex.run(args, arg_ready, donated)
+            try:
+                self._rebind(args, donated)
+                out_set = self._select()
+            except CaptureError as e:
+                self._disable("capture_error", f"{type(e.__cause__).__name__}: {e.__cause__}")
+                return ex.run(args, arg_ready, donated)
+            if out_set is None:
+                metrics.counter("cuda_graphs.eager_call.outputs_held").inc()
+                _log_once("outputs_held", "cuda graphs: every output set is still held by the caller; "
+                                          "running eagerly (raise GraphOptions.max_output_sets or drop outputs)")
+                return ex.run(args, arg_ready, donated)
+            metrics.counter("cuda_graphs.replay").inc()
+            ready = _ready_per_device(arg_ready, len(ex.devices))
+            return self.backend.launch(out_set.captured, self._copies(args), ready, not self._rotate)
+
+    def close(self) -> None:
+        """Wait for the devices, drop every graph and static buffer, release the memory pools."""
+        with self._lock:
+            self.backend.synchronize()
+            self._drop_sets()
+            self._bound = []
+            self._finalizer()
+
+    # ------------------------------------------------------------------ binding
+    def _rebind(self, args: Sequence[Sequence[Tensor]], donated: frozenset[int]) -> None:
+        if not self._bound:
+            self._bound = [self._initial(i, per, donated) for i, per in enumerate(args)]
+            return
+        moved = [i for i, b in enumerate(self._bound) if b.adopted and _ptrs(args[i]) != b.ptrs]
+        if not moved:
+            return
+        self.backend.synchronize()
+        self._drop_sets()
+        for i in moved:
+            self._bound[i] = _staged(args[i])
+        metrics.counter("cuda_graphs.recapture").inc()
+
+    def _initial(self, i: int, per: Sequence[Tensor], donated: frozenset[int]) -> _Binding:
+        ptrs = _ptrs(per)
+        if i not in donated and ptrs == self._warm_ptrs[i]:
+            return _Binding(True, list(per), ptrs)
+        return _staged(per)
+
+    def _copies(self, args: Sequence[Sequence[Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
+        n = len(self.executable.devices)
+        copies: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(n)]
+        for b, per in zip(self._bound, args, strict=True):
+            if b.adopted:
+                continue
+            for k, (dst, src) in enumerate(zip(b.tensors, per, strict=True)):
+                if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+                    copies[k].append((dst, src))
+        return copies
+
+    # ------------------------------------------------------------------ output sets
+    def _select(self) -> _OutputSet | None:
+        if not self._rotate:
+            if not self._sets:
+                self._capture()
+            return self._sets[0]
+        n = len(self._sets)
+        for j in range(n):
+            idx = (self._next + j) % n
+            if self._sets[idx].free():
+                self._next = (idx + 1) % n
+                return self._sets[idx]
+        if n < self.options.max_output_sets:
+            self._capture()
+            self._next = 0
+            return self._sets[-1]
+        return None
+
+    def _capture(self) -> None:
+        static_args = [b.tensors for b in self._bound]
+        try:
+            captured = self.backend.capture(static_args)
+        except Exception as e:  # noqa: BLE001 - any failure of capture means eager execution
+            raise CaptureError(str(e)) from e
+        metrics.counter("cuda_graphs.capture").inc()
+        self._sets.append(_OutputSet(captured, self._rotate))
+
+    def _drop_sets(self) -> None:
+        for s in self._sets:
+            s.captured.close()
+        self._sets = []
+        self._next = 0
+
+    def _disable(self, reason: str, detail: str) -> None:
+        self.disabled_reason = reason
+        try:
+            self.backend.synchronize()
+            self._drop_sets()
+        finally:
+            record_fallback(reason, detail)
+
+
+def _ptrs(per: Sequence[Tensor]) -> tuple:
+    return tuple((t.data_ptr(), t.stride()) for t in per)
+
+
+def _staged(per: Sequence[Tensor]) -> _Binding:
+    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in per]
+    return _Binding(False, bufs, _ptrs(bufs))
+
+
+def _ready_per_device(arg_ready: Sequence[Any] | None, n: int) -> list[list[Any]]:
+    """``arg_ready[i][k]`` (entries or whole rows may be None) -> per device, its events."""
+    out: list[list[Any]] = [[] for _ in range(n)]
+    if arg_ready is None:
+        return out
+    for per in arg_ready:
+        if per is None:
+            continue
+        for k, ev in enumerate(per):
+            if ev is not None:
+                out[k].append(ev)
+    return out
+
+
+# ---------------------------------------------------------------------------- host backend
+class _HostCaptured:
+    """A "graph" of ``HostReplayBackend``: re-issues the program, writes the static outputs."""
+
+    def __init__(self, executable: Any, static_args: list[list[Tensor]], outputs: list[list[Tensor]]) -> None:
+        self.executable, self.static_args, self.outputs = executable, static_args, outputs
+
+    def replay(self) -> None:
+        fresh, _ = self.executable.run(self.static_args)
+        for per_static, per_fresh in zip(self.outputs, fresh, strict=True):
+            for s, f in zip(per_static, per_fresh, strict=True):
+                s.copy_(f)
+
+    def close(self) -> None:
+        self.outputs = []
+
+
+class HostReplayBackend:
+    """A backend for CPU meshes with the binding and aliasing semantics of a CUDA graph.
+
+    "Capture" fixes static output buffers; "replay" runs the executable eagerly on the
+    static arguments (adopted tensors are read by reference, as a graph does) and writes
+    the results into the static outputs. It lets the runner's logic be tested and debugged
+    without a GPU; it saves no time.
+    """
+
+    def __init__(self, executable: Any) -> None:
+        self.executable = executable
+        self.num_launches = 0
+
+    def synchronize(self) -> None:
+        """Nothing to wait for on the host."""
+
+    def capture(self, static_args: list[list[Tensor]]) -> _HostCaptured:
+        """Static outputs shaped like one eager run's outputs."""
+        outs, _ = self.executable.run(static_args)
+        return _HostCaptured(self.executable, static_args, [[o.clone() for o in per] for per in outs])
+
+    def launch(self, captured: _HostCaptured, copies: list[list[tuple[Tensor, Tensor]]],
+               ready: list[list[Any]], clone: bool) -> tuple[list[list[Tensor]], list[Any]]:
+        """Copy staged arguments in, replay, hand out clones or aliases of the static outputs."""
+        for per in copies:
+            for dst, src in per:
+                dst.copy_(src)
+        captured.replay()
+        self.num_launches += 1
+        outs = [[t.clone() if clone else t.detach() for t in per] for per in captured.outputs]
+        return outs, [None] * len(self.executable.devices)
+
+    def close(self) -> None:
+        """Nothing to release."""
