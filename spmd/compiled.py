@@ -87,6 +87,19 @@ class Compiled:
                                   strict=True))
         self._no_events = (None,) * len(self.mesh.devices)
 
+    def rebind(self, lowered) -> Compiled:
+        """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
+
+        The executable, buffers and output layout are shared; the argument
+        structure, names, donation and ``reshard_inputs`` come from ``lowered``.
+        Returns ``self`` when ``lowered`` is the one it was built from.
+        """
+        if lowered is self.lowered:
+            return self
+        shapes = [shape for _, shape, _ in self._outputs]
+        dtypes = [dtype for _, _, dtype in self._outputs]
+        return Compiled(lowered, self.executable, self.output_shardings, shapes, dtypes, self.buffers)
+
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""
         jitted = self.lowered.jitted

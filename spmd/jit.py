@@ -156,7 +156,7 @@ class Lowered:
         hit = _GLOBAL_CACHE.get(self.cache_key)
         if hit is not None:
             metrics.counter("compile_cache.global_hit").inc()
-            return hit
+            return hit.rebind(self)
         start = time.perf_counter()
         compiled = compile_module(self)
         metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)

@@ -87,6 +87,7 @@ def lower_function(jitted, args: tuple):
         out_leaves, holder["out_tree"] = pytree.tree_flatten(out)
         return tuple(out_leaves)
 
+    _keep_user_frames(jitted.fn)
     examples = [torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") for leaf in in_leaves]
     program = import_program(flat_fn, tuple(examples))
     module = program.module
@@ -100,6 +101,19 @@ def lower_function(jitted, args: tuple):
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
+
+
+def _keep_user_frames(fn) -> None:
+    """Ask torch.export to keep ``fn``'s frames in node stack traces (it keeps only ``forward`` frames).
+
+    With them, an instruction's location (and an unsupported-op error) names the user's line.
+    """
+    import torch.fx.proxy as fx_proxy
+
+    register = getattr(fx_proxy, "_register_stack_trace_anchor", None)
+    target = getattr(fn, "forward", fn)
+    if register is not None and hasattr(target, "__code__"):
+        register(target)
 
 
 def _annotate(module: Module, mesh, in_leaves, out_shardings, out_tree) -> None:

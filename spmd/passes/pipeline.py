@@ -36,8 +36,9 @@ class CompileOptions:
         decompose eligible all-gather→dot / dot→reduce-scatter pairs) or "off".
       bidirectional: force the bidirectional (True) or unidirectional (False)
         ring; None lets the cost model choose.
-      num_compute_streams: compute streams for the partial dots of a windowed
-        einsum (1 = the main stream only); None lets the cost model choose.
+      num_compute_streams: extra compute streams for the partial dots of a
+        windowed einsum (each partial dot runs on one of them, round-robin);
+        None lets the cost model choose per site.
       cuda_graphs: capture the executable into CUDA graphs on GPU meshes; None
         = on where it helps (GPU meshes), False = always eager.
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
@@ -91,9 +92,7 @@ def build_passes(options: CompileOptions) -> list:
     we_kwargs: dict[str, Any] = {"mode": options.windowed_einsum}
     if options.bidirectional is not None:
         we_kwargs["bidirectional"] = options.bidirectional
-    streams_kwargs: dict[str, Any] = {}
-    if options.num_compute_streams is not None:
-        streams_kwargs["num_compute_streams"] = options.num_compute_streams
+    streams_kwargs: dict[str, Any] = {"num_compute_streams": options.num_compute_streams}
     return [
         PropagateSharding(),
         SpmdPartition(),

@@ -1,0 +1,54 @@
+"""Programs and argument builders shared by the CUDA-graph runner tests (CPU and GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+import spmd
+from spmd import PartitionSpec as P
+
+
+def unwrap(executable):
+    """The ``Executable`` behind a ``GraphRunner`` (or the executable itself)."""
+    return getattr(executable, "executable", executable)
+
+
+def mlp(x, w1, w2):
+    return torch.relu(x @ w1) @ w2
+
+
+def matmul(x, w):
+    return x @ w
+
+
+def compile_mlp(devices: str, m: int = 8, d: int = 16, h: int = 32, cuda_graphs=False):
+    """2-layer MLP, tensor parallel: x replicated, w1 column-, w2 row-sharded, all-reduced output."""
+    mesh = spmd.Mesh.create(("tp",), devices=devices)
+    j = spmd.jit(mlp, mesh=mesh, in_shardings=(P(), P(None, "tp"), P("tp", None)), out_shardings=P(),
+                 options=spmd.CompileOptions(cuda_graphs=cuda_graphs))
+    shapes = [(m, d), (d, h), (h, d)]
+    return j.lower(*[torch.randn(s) for s in shapes]).compile(), shapes
+
+
+def compile_windowed(devices: str, m: int = 16, k: int = 32, f: int = 8, cuda_graphs=False):
+    """x @ w with x P("tp", None), w P(None, "tp"), out P(None, "tp"): windowed einsum on 2 streams."""
+    mesh = spmd.Mesh.create(("tp",), devices=devices)
+    opts = spmd.CompileOptions(windowed_einsum="on", num_compute_streams=2, cuda_graphs=cuda_graphs)
+    j = spmd.jit(matmul, mesh=mesh, in_shardings=(P("tp", None), P(None, "tp")), out_shardings=P(None, "tp"),
+                 options=opts)
+    shapes = [(m, k), (k, f)]
+    return j.lower(*[torch.randn(s) for s in shapes]).compile(), shapes
+
+
+def shards(compiled, tensors):
+    """Per flat input, its per-device buffers (``Executable.run``'s ``args``)."""
+    return [spmd.device_put(t, s)._buffers for t, s in zip(tensors, compiled.input_shardings, strict=True)]
+
+
+def global_out(compiled, per_device, j: int = 0) -> torch.Tensor:
+    """The global value of output ``j`` from per-device buffers (on the CPU)."""
+    from spmd.array import ShardedArray
+
+    arr = ShardedArray._from_buffers(per_device, compiled.output_shardings[j], compiled._output_shapes[j],
+                                     compiled._output_dtypes[j])
+    return arr.to_torch()
