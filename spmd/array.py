@@ -13,7 +13,20 @@ partial group and zeros on the others).
 
 Ownership: an array owns its buffers. ``delete()`` frees them, and donating an
 array to an executable (``spmd.jit(..., donate_argnums=...)``) kills it: any
-later use raises ``DeletedArrayError`` saying why.
+later use raises ``DeletedArrayError`` saying why. Arrays are values: nothing in
+``spmd`` writes into a live array's buffers except a donating call. Aliasing:
+
+- ``shards[pid].data`` is a view of buffer ``pid``; it stays valid (and keeps the
+  memory alive) after the array is deleted or donated, but a donating call may
+  then overwrite it. Mutate it only while you own the array and have not
+  donated it; every array sharing the buffers sees the change.
+- ``from_shards`` adopts padded shards without a copy: the tensors passed in
+  become the new array's buffers (the caller must not mutate them afterwards,
+  and donating the array lets a call overwrite them). Unpadded shards that need
+  padding are copied.
+- ``device_put`` always copies; ``reshard`` to the array's own sharding returns
+  the array itself, any other reshard fresh buffers; outputs of a compiled
+  program never alias its undonated inputs.
 """
 
 from __future__ import annotations
@@ -29,7 +42,6 @@ from spmd import metrics
 from spmd.ir.hlo import hlo_dtype
 from spmd.ir.sharding import unshard_tensors
 from spmd.sharding import NamedSharding
-
 
 # Transfer metrics: ``transfer.to_device`` / ``transfer.from_device`` timers (seconds per
 # device_put / to_torch) with byte counters of the global values moved, and the

@@ -209,14 +209,15 @@ def cmd_run(args, console: Console) -> int:
                   f"{args.layers if work.name != 'minilm' else 6} layer(s)")
     compile_s, times, _ = compile_and_time(pm, work.inputs, args.iters, args.warmup, console)
     median_ms = statistics.median(times)
-    table = Table(title=f"spmd run --model {args.model} --mesh {args.mesh}")
-    for col in ("compile s", "median ms", "min ms", "tokens/s", "TFLOP/s (total)", "TFLOP/s per device"):
+    table = Table(title=f"spmd run --model {args.model} --mesh {args.mesh}",
+                  caption="TFLOP/s: matmul FLOPs of the forward (attention counted in full) / median time")
+    for col in ("compile s", "median ms", "min ms", "tokens/s", "TFLOP/s", "TFLOP/s/device"):
         table.add_column(col, justify="right")
     tflops = work.flops / (median_ms / 1e3) / 1e12 if work.flops else None
     table.add_row(f"{compile_s:.2f}", f"{median_ms:.3f}", f"{min(times):.3f}",
                   f"{work.tokens / (median_ms / 1e3):,.0f}",
-                  "-" if tflops is None else f"{tflops:.2f}",
-                  "-" if tflops is None else f"{tflops / mesh.num_devices:.2f}")
+                  "-" if tflops is None else f"{tflops:.4g}",
+                  "-" if tflops is None else f"{tflops / mesh.num_devices:.4g}")
     console.print(table)
     console.print(collectives_table(pm, "collectives"))
     if args.dump:
@@ -224,13 +225,14 @@ def cmd_run(args, console: Console) -> int:
     return 0
 
 
-def demo_mesh(device: str | None):
-    """All local GPUs (tp = the largest divisor of 12 heads that divides the GPU count, dp the rest),
-    else 4 virtual CPU devices with tp=4."""
+def demo_mesh(device: str | None, batch: int = 16, heads: int = 12):
+    """The demo's mesh: on GPUs the most of them that tp (dividing ``heads``) x dp (dividing ``batch``) can use,
+    preferring tp; without GPUs 4 virtual CPU devices with tp=4. Returns (mesh, {axis: size})."""
     device = device or default_device()
     n = (torch.cuda.device_count() if device == "cuda" else 4) or 4
-    tp = max(d for d in range(1, n + 1) if n % d == 0 and 12 % d == 0)
-    axes = {"dp": n // tp, "tp": tp} if n // tp > 1 else {"tp": tp}
+    tp, dp = max(((t, d) for t in range(1, n + 1) for d in range(1, n // t + 1) if heads % t == 0 and batch % d == 0),
+                 key=lambda td: (td[0] * td[1], td[0]))
+    axes = {"dp": dp, "tp": tp} if dp > 1 else {"tp": tp}
     return make_mesh(axes, device), axes
 
 

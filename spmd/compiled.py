@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -162,9 +162,9 @@ class Compiled:
         arrays = list(args)
         buffers = []
         events = None
-        for i, (spec, a) in enumerate(zip(specs, arrays)):
-            if (type(a) is not ShardedArray or a._deleted_reason is not None or a._sharding != spec.sharding
-                    or a._shape != spec.shape or a._dtype != spec.dtype):
+        for i, (spec, a) in enumerate(zip(specs, arrays, strict=True)):
+            if (type(a) is not ShardedArray or a._deleted_reason is not None or a._dtype is not spec.dtype
+                    or (a._sharding is not spec.sharding and a._sharding != spec.sharding) or a._shape != spec.shape):
                 a = arrays[i] = self._bind_slow(spec, a)
             buffers.append(a._buffers)
             if a._ready_events is not None:
@@ -179,7 +179,7 @@ class Compiled:
         if ready[0] is None:
             ready = None
         outs = [ShardedArray._from_buffers(b, sharding, shape, dtype, ready)
-                for b, (sharding, shape, dtype) in zip(out_buffers, self._outputs)]
+                for b, (sharding, shape, dtype) in zip(out_buffers, self._outputs, strict=True)]
         _EXECUTE.record(time.perf_counter() - start)
         return outs
 
@@ -232,7 +232,7 @@ class Compiled:
             op = inst.opcode.removesuffix("-start")
             if op not in COLLECTIVES:
                 continue
-            shape = inst.shape.tuple_shapes[0] if inst.shape.is_tuple else inst.shape
+            shape = inst.operands[0].shape if inst.operands else inst.shape
             groups = inst.attrs.get("replica_groups") or ((),)
             n = len(groups[0]) or self.module.num_partitions
             out.append({"name": inst.name, "opcode": op, "bytes_per_device": _bytes_moved(op, shape.size_bytes, n),
@@ -282,11 +282,12 @@ def compile_module(lowered) -> Compiled:
     """Build the executable of a ``Lowered`` program and fix its output shardings."""
     from spmd.passes.assign_buffers import assign_buffers
     from spmd.runtime.executor import Executable
+    from spmd.runtime.graphs import maybe_graph
 
     module = lowered.result.module
     buffers = assign_buffers(module)
     lowered.result.buffers = buffers
-    executable = Executable(module, lowered.jitted.mesh, buffers)
+    executable = maybe_graph(Executable(module, lowered.jitted.mesh, buffers), lowered.jitted.options)
     shardings, shapes, dtypes = output_layout(lowered)
     return Compiled(lowered, executable, shardings, shapes, dtypes, buffers)
 

@@ -7,6 +7,7 @@ Tracing uses meta tensors, so no device memory is touched while lowering.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ def lower_function(jitted, args: tuple):
 
     _keep_user_frames(jitted.fn)
     examples = [torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") for leaf in in_leaves]
-    program = import_program(flat_fn, tuple(examples))
+    program = import_program(flat_fn, tuple(examples), name=_module_name(jitted.__name__))
     module = program.module
     out_tree = holder["out_tree"]
     _annotate(module, mesh, in_leaves, jitted.out_shardings, out_tree)
@@ -101,6 +102,12 @@ def lower_function(jitted, args: tuple):
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
+
+
+def _module_name(fn_name: str) -> str:
+    """An HLO module name from a Python function name (``<lambda>`` becomes ``lambda``)."""
+    name = re.sub(r"[^A-Za-z0-9_.]", "", fn_name)
+    return name if name and not name[0].isdigit() else "main"
 
 
 def _keep_user_frames(fn) -> None:

@@ -254,8 +254,3 @@ def summarize_collectives(hlo_text: str) -> list[CollectiveStat]:
         counts[kind] += 1
         nbytes[kind] += ring_bytes_per_device(kind, operand_bytes, _group_size(attrs, num_partitions))
     return [CollectiveStat(k, counts[k], nbytes[k]) for k in COLLECTIVE_KINDS if counts[k]]
-
-
-def to_torch(out) -> torch.Tensor | list | tuple | dict:
-    """Gather a ShardedArray (or a pytree of them) to CPU tensors."""
-    return torch.utils._pytree.tree_map(lambda x: x.to_torch() if isinstance(x, ShardedArray) else x, out)

@@ -77,7 +77,8 @@ def reshard(array, sharding: NamedSharding):
         raise TypeError(f"sharding: expected an spmd.NamedSharding, got {type(sharding).__name__}")
     array._check_alive("reshard argument")
     if sharding.mesh != array.sharding.mesh:
-        raise ValueError(f"sharding: expected a sharding on the array's mesh {array.sharding.mesh}, got {sharding.mesh}")
+        raise ValueError(f"sharding: expected a sharding on the array's mesh {array.sharding.mesh}, "
+                         f"got {sharding.mesh}")
     sharding.validate(tuple(array.shape), "sharding")
     if sharding == array.sharding:
         return array

@@ -94,3 +94,13 @@ def test_demo_on_virtual_cpu_devices():
     assert "cpu:0-3" in out
     assert "all-reduce" in out or "reduce-scatter" in out
     assert "nearest neighbour" in out
+
+
+@pytest.mark.parametrize("gpus,axes", [(1, {"tp": 1}), (2, {"tp": 2}), (5, {"tp": 4}), (8, {"dp": 2, "tp": 4})])
+def test_demo_mesh_uses_the_gpus_it_can(monkeypatch, gpus, axes):
+    import spmd.cli as cli
+
+    monkeypatch.setattr("torch.cuda.device_count", lambda: gpus)
+    monkeypatch.setattr(cli, "make_mesh", lambda a, device: (a, device))
+    assert cli.demo_mesh("cuda") == ((axes, "cuda"), axes)
+    assert cli.demo_mesh("cpu")[1] == {"tp": 4}

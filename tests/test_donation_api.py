@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import spmd
-from spmd import Mesh, NamedSharding
+from spmd import Mesh, NamedSharding, metrics
 from spmd import PartitionSpec as P
-from spmd import metrics
 from spmd.array import DeletedArrayError
 
 MESH = Mesh.create(("tp",), devices="cpu:4")

@@ -11,9 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd import Mesh, NamedSharding, ShardedArray
+from spmd import Mesh, NamedSharding, ShardedArray, metrics
 from spmd import PartitionSpec as P
-from spmd import metrics
 
 MESH = Mesh.create(("tp",), devices="cpu:4")
 MESH2D = Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4")
@@ -135,7 +134,8 @@ def test_arguments_on_another_mesh(mlp):
 
 def test_partition_spec_errors_name_the_argument():
     x = torch.randn(8, 4)
-    with pytest.raises(ValueError, match=r"argument args\[0\]: unknown mesh axis 'zz' in P\('zz'\); mesh axes are \('tp',\)"):
+    with pytest.raises(ValueError, match=r"argument args\[0\]: unknown mesh axis 'zz' in P\('zz'\); "
+                                         r"mesh axes are \('tp',\)"):
         spmd.jit(lambda a: a, mesh=MESH, in_shardings=P("zz"))(x)
     with pytest.raises(ValueError, match=r"argument args\[0\]: mesh axis 'tp' is used 2 times"):
         spmd.jit(lambda a: a, mesh=MESH, in_shardings=P("tp", "tp"))(x)

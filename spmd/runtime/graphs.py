@@ -11,7 +11,9 @@ Call protocol of a ``GraphRunner`` (same signature and results as ``Executable.r
 1. The first call runs eagerly. It warms up everything capture must not create: NCCL
    communicators and their connections, cuBLAS handles and workspaces of every stream, peer
    access (``CudaCommunicator`` enables it), the caching allocator's blocks.
-2. The second call captures, then replays; later calls replay.
+2. The second call captures, then replays; later calls replay. A capture from another
+   thread than the first call's first runs eagerly once in that thread (cuBLAS handles are
+   per thread).
 
 Argument binding (no allocation during capture: inputs are bound before it):
 
@@ -224,7 +226,9 @@ class GraphRunner:
       backend: the capture/replay backend; default ``graphs_cuda.CudaGraphBackend``.
         ``HostReplayBackend`` gives the same binding and aliasing semantics on CPU meshes.
     Attributes of the executable (``program``, ``devices``, ...) are readable through the
-    runner. See the module docstring for the binding and output rules.
+    runner; ``disabled_reason`` / ``disabled_detail`` say why it went eager for good (e.g.
+    "capture_error" and the exception). Calls are serialised by a lock. See the module
+    docstring for the binding and output rules.
     """
 
     def __init__(self, executable: Any, options: GraphOptions = GraphOptions(), backend: Any = None) -> None:
@@ -241,10 +245,12 @@ class GraphRunner:
         self._lock = threading.Lock()
         self._calls = 0
         self._warm_ptrs: list[tuple] = []
+        self._warm_threads: set[int] = set()
         self._bound: list[_Binding] = []
         self._sets: list[_OutputSet] = []
         self._next = 0
         self.disabled_reason: str | None = None
+        self.disabled_detail = ""
         self._finalizer = weakref.finalize(self, backend.close)
 
     def __getattr__(self, name: str) -> Any:
@@ -283,11 +289,12 @@ class GraphRunner:
             self._calls += 1
             if self._calls == 1:
                 self._warm_ptrs = [_ptrs(per) for per in args]
+                self._warm_threads.add(threading.get_ident())
                 metrics.counter("cuda_graphs.eager_call.warmup").inc()
                 return ex.run(args, arg_ready, donated)
             try:
                 self._rebind(args, donated)
-                out_set = self._select()
+                out_set = self._select(args, arg_ready)
             except CaptureError as e:
                 self._disable("capture_error", f"{type(e.__cause__).__name__}: {e.__cause__}")
                 return ex.run(args, arg_ready, donated)
@@ -301,12 +308,16 @@ class GraphRunner:
             return self.backend.launch(out_set.captured, self._copies(args), ready, not self._rotate)
 
     def close(self) -> None:
-        """Wait for the devices, drop every graph and static buffer, release the memory pools."""
+        """Wait for the devices, drop every graph and static buffer, release the memory pools.
+
+        A later call binds and captures again (into a new pool).
+        """
         with self._lock:
             self.backend.synchronize()
             self._drop_sets()
             self._bound = []
             self._finalizer()
+            self._finalizer = weakref.finalize(self, self.backend.close)
 
     # ------------------------------------------------------------------ binding
     def _rebind(self, args: Sequence[Sequence[Tensor]], donated: frozenset[int]) -> None:
@@ -340,10 +351,10 @@ class GraphRunner:
         return copies
 
     # ------------------------------------------------------------------ output sets
-    def _select(self) -> _OutputSet | None:
+    def _select(self, args: Sequence[Sequence[Tensor]], arg_ready: Any) -> _OutputSet | None:
         if not self._rotate:
             if not self._sets:
-                self._capture()
+                self._capture(args, arg_ready)
             return self._sets[0]
         n = len(self._sets)
         for j in range(n):
@@ -352,12 +363,17 @@ class GraphRunner:
                 self._next = (idx + 1) % n
                 return self._sets[idx]
         if n < self.options.max_output_sets:
-            self._capture()
+            self._capture(args, arg_ready)
             self._next = 0
             return self._sets[-1]
         return None
 
-    def _capture(self) -> None:
+    def _capture(self, args: Sequence[Sequence[Tensor]], arg_ready: Any) -> None:
+        if threading.get_ident() not in self._warm_threads:
+            # cuBLAS handles and workspaces are per thread: warm this thread up on real arguments
+            self.executable.run(args, arg_ready)
+            self._warm_threads.add(threading.get_ident())
+            metrics.counter("cuda_graphs.eager_call.thread_warmup").inc()
         static_args = [b.tensors for b in self._bound]
         try:
             captured = self.backend.capture(static_args)
@@ -373,7 +389,7 @@ class GraphRunner:
         self._next = 0
 
     def _disable(self, reason: str, detail: str) -> None:
-        self.disabled_reason = reason
+        self.disabled_reason, self.disabled_detail = reason, detail
         try:
             self.backend.synchronize()
             self._drop_sets()

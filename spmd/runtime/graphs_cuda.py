@@ -30,6 +30,7 @@ copies the outputs into fresh tensors, and a ready event per device is recorded 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,10 +57,7 @@ def api_available(num_devices: int) -> bool:
     """Whether this PyTorch can capture graphs over ``num_devices`` devices (see module doc)."""
     if not hasattr(torch.cuda, "CUDAGraph") or not hasattr(torch._C, "_graph_pool_handle"):
         return False
-    if num_devices > 1:
-        return (_pool_begin_fn() is not None and _pool_end_fn() is not None
-                and hasattr(torch._C, "_cuda_releasePool"))
-    return True
+    return _pool_begin_fn() is not None and _pool_end_fn() is not None and hasattr(torch._C, "_cuda_releasePool")
 
 
 @dataclass(eq=False)
@@ -106,6 +104,7 @@ class CudaGraphBackend:
         self.mode = capture_error_mode
         self.pool = torch.cuda.graph_pool_handle()
         self._pool_refs: list[int] = []
+        self._held = False
         self._views: list[list[Tensor]] | None = None
         self._done = torch.cuda.Event()
         self._done_recorded = False
@@ -137,6 +136,7 @@ class CudaGraphBackend:
         began: list[int] = []
         try:
             torch.cuda.set_stream(launch)
+            self._hold_pools()
             begin = _pool_begin_fn()
             for env in self.envs[1:]:
                 begin(env.device.index, self.pool)
@@ -160,6 +160,22 @@ class CudaGraphBackend:
             self._pool_refs.extend(began)
             st.restore(callers, device_index)
         return CudaCaptured(graph, outputs, events)
+
+    def _hold_pools(self) -> None:
+        """Take one reference to the pool on every device, kept until ``close``.
+
+        A pool whose references all went (``_cuda_releasePool``) may not be captured into
+        again, and its free blocks may be returned to the driver while a graph still uses
+        them; device 0's graphs release their reference when they are reset (recapture).
+        """
+        if self._held:
+            return
+        begin, end = _pool_begin_fn(), _pool_end_fn()
+        for env in self.envs:
+            begin(env.device.index, self.pool)
+            end(env.device.index, self.pool)
+            self._pool_refs.append(env.device.index)
+        self._held = True
 
     def _issue(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int],
                events: list[Any]) -> list[list[Tensor]]:
@@ -201,10 +217,8 @@ class CudaGraphBackend:
 
     def _abort(self, graph: Any, events: list[Any]) -> None:
         """End a capture that failed midway (best effort: the capture may be invalidated)."""
-        try:
+        with contextlib.suppress(Exception):  # an invalidated capture refuses new dependencies
             self._join_all(events)
-        except Exception:  # noqa: BLE001 - an invalidated capture refuses new dependencies
-            pass
         try:
             torch.cuda.set_stream(self.envs[0].main)
             graph.capture_end()
@@ -212,10 +226,8 @@ class CudaGraphBackend:
             self._end_pool_quietly(self.envs[0].device.index)
 
     def _end_pool_quietly(self, device: int) -> None:
-        try:
+        with contextlib.suppress(Exception):  # not recording to the pool any more: nothing to end
             _pool_end_fn()(device, self.pool)
-        except Exception:  # noqa: BLE001 - not recording to the pool any more: nothing to end
-            pass
 
     # ------------------------------------------------------------------ replay
     def launch(self, captured: CudaCaptured, copies: list[list[tuple[Tensor, Tensor]]],
@@ -278,11 +290,17 @@ class CudaGraphBackend:
         return out, ready
 
     def close(self) -> None:
-        """Release the memory pools of the other devices and give the arena back."""
+        """Release the pool references, give the arena back; later captures use a new pool.
+
+        A released pool id may not be captured into again (PyTorch asserts its use count),
+        hence the new id.
+        """
         try:
             for d in self._pool_refs:
                 torch._C._cuda_releasePool(d, self.pool)
             self._pool_refs = []
+            self._held = False
+            self.pool = torch.cuda.graph_pool_handle()
             if self._views is not None:
                 self.ex._arenas.release(self._views)
                 self._views = None

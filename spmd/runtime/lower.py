@@ -81,6 +81,10 @@ class Program:
       arena_size_bytes: size of the per-device arena.
       donated_params: parameters whose tensors follow the arena views in a call's view list
         (outputs written into donated buffers).
+      shares: slot -> the operand slots whose memory its value may be a view of (reshape,
+        slice, ...); such a result writes no memory of its own.
+      in_place: slot -> the slot whose memory the op producing it updates in place.
+        (``spmd.runtime.hazards`` reads both.)
     """
 
     num_slots: int
@@ -94,6 +98,8 @@ class Program:
     arena_views: tuple[ArenaView, ...]
     arena_size_bytes: int
     donated_params: tuple[int, ...] = ()
+    shares: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    in_place: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -166,14 +172,24 @@ class _Lowerer:
         return slot
 
     def lower_async_start(self, inst: Instruction, sid: int) -> Any:
+        """Inline the called computation; its ops form one unit that joins its operands first.
+
+        An async-start waits for all of its operands before any instruction of its called
+        computation runs (XLA's async semantics, and the model ``assign-buffers`` places
+        buffers under): ``unit`` tags the ops so that ``_stream_joins`` takes every
+        cross-stream wait of the unit before the unit's first op.
+        """
         body: Computation = inst.attrs["calls"]
         operand_refs = tuple(self.refs[id(o)] for o in inst.operands)
         for p in body.parameters:
             self.refs[id(p)] = operand_refs[p.attrs["parameter_number"]]
         body_live = reachable(body.root)
+        first = len(self.ops)
         for b in body.instructions:
             if id(b) in body_live and b.opcode != "parameter":
                 self.refs[id(b)] = self.lower_inst(b, sid, body_live)
+        for op in self.ops[first:]:
+            op.extra["unit"] = inst.name
         return (operand_refs, self.refs[id(body.root)])
 
     def lower_collective(self, inst: Instruction, sid: int, ins: list[int]) -> Any:
@@ -293,7 +309,22 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
                    output_slots=tuple(output_slots), output_clone=clone, templates=templates,
                    stream_ids=tuple(streams), num_events=num_events, arena_views=tuple(arena_views),
                    arena_size_bytes=int(getattr(buffers, "arena_size_bytes", 0) or 0),
-                   donated_params=tuple(plan[k] for k in sorted(plan)))
+                   donated_params=tuple(plan[k] for k in sorted(plan)), shares=_shares(lw.ops, op_buffers),
+                   in_place={op.out: op.alias_of for op in lw.ops if op.alias_of >= 0})
+
+
+def _shares(ops: list[Op], op_buffers: dict[int, int]) -> dict[int, tuple[int, ...]]:
+    """Per result slot, the operand slots whose memory the result may be a view of.
+
+    An op outside ``fusions.FRESH_OPCODES``, not in place and without an arena view may
+    return a view of any operand (reshape, slice, dynamic-slice, ...).
+    """
+    out: dict[int, tuple[int, ...]] = {}
+    for k, op in enumerate(ops):
+        if (op.alias_of < 0 and "spec" not in op.extra and k not in op_buffers and op.fn is None
+              and op.inst.opcode not in fusions.FRESH_OPCODES):
+            out[op.out] = tuple(op.ins)
+    return out
 
 
 def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:
@@ -379,8 +410,17 @@ def _stream_joins(ops: list[Op]) -> tuple[set[int], dict[int, list[int]]]:
     A vector clock per stream (stream -> index of the last op of that stream known complete)
     skips a wait already implied by an earlier join. Parameters and persistent values are
     ready on every stream (the executor forks every stream from the main stream at the start).
+    The ops of one async unit (``extra["unit"]``) take all their cross-stream waits before the
+    unit's first op: the buffer assignment assumes an async computation starts only after all
+    of its operands are ready, so a unit's first op may overwrite bytes that the producers of
+    a later op's operands (on other streams) were still using.
     """
     producer: dict[int, int] = {op.out: k for k, op in enumerate(ops)}
+    unit_reads: dict[str, list[int]] = {}
+    for op in ops:
+        if "unit" in op.extra:
+            unit_reads.setdefault(op.extra["unit"], []).extend(_reads(op))
+    seen_units: set[str] = set()
     clocks: dict[int, dict[int, int]] = {}
     snaps: list[dict[int, int]] = []
     record_after: set[int] = set()
@@ -388,7 +428,11 @@ def _stream_joins(ops: list[Op]) -> tuple[set[int], dict[int, list[int]]]:
     for k, op in enumerate(ops):
         a = op.stream
         clock = clocks.setdefault(a, {})
-        reads = list(op.ins) + ([op.alias_of] if op.alias_of >= 0 else [])
+        reads = _reads(op)
+        unit = op.extra.get("unit")
+        if unit is not None and unit not in seen_units:
+            seen_units.add(unit)
+            reads = unit_reads[unit]
         # latest producer first: its join often implies the earlier ones
         for p in sorted({producer[s] for s in reads if s in producer}, reverse=True):
             if p >= k or ops[p].stream == a or clock.get(ops[p].stream, -1) >= p:
@@ -401,6 +445,11 @@ def _stream_joins(ops: list[Op]) -> tuple[set[int], dict[int, list[int]]]:
         clock[a] = k
         snaps.append(dict(clock))
     return record_after, waits
+
+
+def _reads(op: Op) -> list[int]:
+    """Slots an op reads, the memory it updates in place included."""
+    return list(op.ins) + ([op.alias_of] if op.alias_of >= 0 else [])
 
 
 def _storage_streams(lw: _Lowerer) -> dict[int, set[int]]:

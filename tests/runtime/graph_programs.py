@@ -45,10 +45,9 @@ def shards(compiled, tensors):
     return [spmd.device_put(t, s)._buffers for t, s in zip(tensors, compiled.input_shardings, strict=True)]
 
 
-def global_out(compiled, per_device, j: int = 0) -> torch.Tensor:
-    """The global value of output ``j`` from per-device buffers (on the CPU)."""
+def global_out(compiled, per_device, like: torch.Tensor, j: int = 0) -> torch.Tensor:
+    """The global value of output ``j`` (shaped like ``like``) from per-device buffers, on the CPU."""
     from spmd.array import ShardedArray
 
-    arr = ShardedArray._from_buffers(per_device, compiled.output_shardings[j], compiled._output_shapes[j],
-                                     compiled._output_dtypes[j])
+    arr = ShardedArray._from_buffers(list(per_device), compiled.output_shardings[j], like.shape, like.dtype)
     return arr.to_torch()

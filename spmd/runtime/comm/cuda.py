@@ -5,12 +5,18 @@
   the collective's stream id (``streams=``).
 - all-to-all and collective-permute (and the three above when NCCL is off): copy-engine peer
   copies, ``dst.copy_(src, non_blocking=True)`` issued while the *source* device's current
-  stream is its stream of the collective's id and the destination device's current stream is
-  its own stream of that id. PyTorch's cross-device copy then orders the copy after the
+  stream is a stream that runs the copy and the destination device's current stream is its
+  stream of the collective's id. PyTorch's cross-device copy then orders the copy after the
   destination stream's earlier work (the destination buffer is free: it was allocated on that
   stream) and makes the destination stream wait for the copy's completion — the data-ready
   and copy-done events of a collective-permute thunk. The operand is ready on the source
   stream because the lowering made that stream wait for the operand's producer.
+  A collective-permute copies on a per-device *send* stream (forked from the collective's
+  stream before any copy is issued, joined back after all of them): were the copy on the
+  collective's stream itself, device 1's copy to device 0 would be ordered after device 0's
+  copy to device 1 (PyTorch records the destination's readiness on the destination's current
+  stream, which then already holds the first copy), and the two directions of a ring step
+  would run one after the other instead of at once.
 
 Peer access is enabled once at construction (a first tiny copy between every pair does it),
 so that later copies — and CUDA graph captures — go device to device.
@@ -57,6 +63,7 @@ class CudaCommunicator:
         self.pids = tuple(range(len(self.devices)))
         self.use_nccl = nccl_available() if use_nccl is None else use_nccl
         enable_peer_access(self.devices)
+        self._send: dict[tuple[int, int], tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]] = {}
 
     def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
         """Run ``spec`` with ``inputs[pid]``; every device uses its stream ``stream_id``."""
@@ -65,7 +72,7 @@ class CudaCommunicator:
             torch.cuda.set_stream(s)
         x = list(inputs)
         if spec.kind == "collective-permute":
-            return self._permute(spec, x)
+            return self._permute(spec, x, streams, stream_id)
         if spec.kind == "all-to-all":
             return self._all_to_all(spec, x)
         if spec.kind == "all-gather":
@@ -115,12 +122,33 @@ class CudaCommunicator:
         return out
 
     # ------------------------------------------------------------------ peer copies
-    def _permute(self, spec: CollectiveSpec, x: list[Tensor]) -> list[Tensor]:
+    def _send_stream(self, pid: int, stream_id: int) -> tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]:
+        """(send stream, fork event, join event) of device ``pid`` for collective stream ``stream_id``."""
+        key = (pid, stream_id)
+        if key not in self._send:
+            dev = self.devices[pid]
+            with torch.cuda.device(dev):
+                self._send[key] = (torch.cuda.Stream(device=dev), torch.cuda.Event(), torch.cuda.Event())
+        return self._send[key]
+
+    def _permute(self, spec: CollectiveSpec, x: list[Tensor], streams: Sequence[Any], stream_id: int) -> list[Tensor]:
         out: list = [None] * len(x)
+        srcs = sorted({src for src, tgt in spec.pairs if src != tgt})
+        for src in srcs:  # fork every send stream before any copy is issued
+            send, fork, _ = self._send_stream(src, stream_id)
+            fork.record(streams[src])
+            send.wait_event(fork)
         for src, tgt in spec.pairs:
             buf = torch.empty(spec.out_dims, dtype=spec.dtype, device=self.devices[tgt])
+            if src != tgt:
+                torch.cuda.set_stream(self._send_stream(src, stream_id)[0])
             buf.copy_(x[src], non_blocking=True)
+            torch.cuda.set_stream(streams[src])
             out[tgt] = buf
+        for src in srcs:  # the collective's stream knows the operand is no longer read
+            send, _, join = self._send_stream(src, stream_id)
+            join.record(send)
+            streams[src].wait_event(join)
         for p in range(len(x)):
             if out[p] is None:
                 out[p] = torch.zeros(spec.out_dims, dtype=spec.dtype, device=self.devices[p])

@@ -1,0 +1,333 @@
+"""CUDA-graph runner: entry point, fallback reasons, and the binding / output rules on CPU meshes.
+
+The binding and aliasing logic runs on virtual CPU devices through ``HostReplayBackend``
+(re-issue into static buffers: a graph's semantics without a GPU). GPU tests live in
+``test_graphs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from graph_programs import compile_mlp, compile_windowed, global_out, matmul, mlp, shards, unwrap
+
+import spmd
+from spmd import metrics
+from spmd.runtime import graphs
+from spmd.runtime.executor import RuntimeOptions
+from spmd.runtime.graphs import GraphOptions, GraphRunner, HostReplayBackend, fallback_reason, maybe_graph
+
+
+@pytest.fixture(autouse=True)
+def _fresh_metrics():
+    metrics.reset()
+    graphs._logged.clear()
+    yield
+    metrics.reset()
+
+
+def _counter(name: str) -> int:
+    return metrics.snapshot()["counters"].get(name, 0)
+
+
+def _runner(compiled, **opts) -> GraphRunner:
+    ex = unwrap(compiled.executable)
+    return GraphRunner(ex, GraphOptions(**opts), backend=HostReplayBackend(ex))
+
+
+@pytest.fixture(scope="module")
+def mlp_prog():
+    return compile_mlp("cpu:2")
+
+
+@pytest.fixture(scope="module")
+def windowed_prog():
+    return compile_windowed("cpu:2")
+
+
+# ---------------------------------------------------------------------------- entry point
+def test_maybe_graph_off_and_cpu_fallback(mlp_prog, caplog):
+    compiled, _ = mlp_prog
+    ex = unwrap(compiled.executable)
+    assert maybe_graph(ex, False) is ex
+    assert maybe_graph(ex, spmd.CompileOptions(cuda_graphs=False)) is ex
+    assert maybe_graph(ex, None) is ex          # default: on only for GPU meshes, nothing recorded
+    assert _counter("cuda_graphs.fallback.cpu_mesh") == 0
+    with caplog.at_level(logging.WARNING, logger="spmd"):
+        assert maybe_graph(ex, spmd.CompileOptions(cuda_graphs=True)) is ex
+        assert maybe_graph(ex, True) is ex
+    assert _counter("cuda_graphs.fallback.cpu_mesh") == 2
+    logged = [r for r in caplog.records if "cpu_mesh" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].name == "spmd"
+
+
+def test_maybe_graph_rejects_bad_options(mlp_prog):
+    ex = unwrap(mlp_prog[0].executable)
+    with pytest.raises(TypeError, match="options"):
+        maybe_graph(ex, "yes")
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        maybe_graph(ex, SimpleNamespace(cuda_graphs="on"))
+
+
+def test_fallback_reasons():
+    cuda = SimpleNamespace(platform="cuda")
+    cpu = SimpleNamespace(mesh=SimpleNamespace(platform="cpu"), options=RuntimeOptions())
+    assert fallback_reason(cpu) == "cpu_mesh"
+    dist = SimpleNamespace(mesh=cuda, options=RuntimeOptions(distributed=True), devices=(0,))
+    assert fallback_reason(dist) == "distributed"
+    local = SimpleNamespace(mesh=cuda, options=RuntimeOptions(), devices=(0, 1))
+    expected = None if torch.cuda.is_available() else "no_cuda"
+    assert fallback_reason(local) == expected
+
+
+def test_graph_helps_threshold():
+    assert not graphs.graph_helps(SimpleNamespace(thunks=[object()] * (graphs.MIN_THUNKS - 1)))
+    assert graphs.graph_helps(SimpleNamespace(thunks=[object()] * graphs.MIN_THUNKS))
+
+
+def test_graph_options_validation():
+    with pytest.raises(ValueError, match="outputs"):
+        GraphOptions(outputs="share")
+    with pytest.raises(ValueError, match="max_output_sets"):
+        GraphOptions(max_output_sets=0)
+    with pytest.raises(ValueError, match="capture_error_mode"):
+        GraphOptions(capture_error_mode="loose")
+    with pytest.raises(TypeError, match="GraphOptions"):
+        GraphRunner(object(), options={"outputs": "clone"}, backend=object())
+
+
+def test_ready_per_device_skips_missing_events():
+    a, b = object(), object()
+    assert graphs._ready_per_device(None, 2) == [[], []]
+    assert graphs._ready_per_device([None, [a, None], [None, b]], 2) == [[a], [b]]
+
+
+# ---------------------------------------------------------------------------- replay == eager
+@pytest.mark.parametrize("outputs", ["clone", "rotate"])
+def test_replay_matches_eager_windowed_einsum(windowed_prog, outputs):
+    compiled, (xs, ws) = windowed_prog
+    ex = unwrap(compiled.executable)
+    assert len(ex.program.stream_ids) > 1
+    r = _runner(compiled, outputs=outputs)
+    w = torch.randn(ws)
+    wb = shards(compiled, [torch.randn(xs), w])[1]
+    for _ in range(6):
+        x = torch.randn(xs)
+        args = [shards(compiled, [x, w])[0], wb]
+        out, ready = r.run(args)
+        ref, _ = ex.run(args)
+        assert ready == [None, None]
+        for a, b in zip(out[0], ref[0], strict=True):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(global_out(compiled, out[0], x @ w), matmul(x, w), rtol=1e-5, atol=1e-5)
+        del out, a, b  # loop variables would keep a "rotate" set held
+    assert _counter("cuda_graphs.eager_call.warmup") == 1
+    assert _counter("cuda_graphs.capture") == 1
+    assert _counter("cuda_graphs.replay") == 5
+    assert r.backend.num_launches == 5
+
+
+def test_weights_adopted_activations_staged(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    for _ in range(3):
+        x = torch.randn(xs)
+        out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+        torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    bufs = r.input_buffers()
+    assert bufs[0] is not None and bufs[1] is None and bufs[2] is None
+    # the graph reads the adopted weights by reference: in-place updates are seen
+    for t in w1b:
+        t.mul_(-1.5)
+    x = torch.randn(xs)
+    out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+    torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, -1.5 * w1, w2), rtol=1e-5, atol=1e-5)
+    assert _counter("cuda_graphs.recapture") == 0
+
+
+def test_new_weight_tensors_recapture_once(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    for _ in range(2):
+        r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
+    for _ in range(4):  # a fresh w1 every call: staged after the first mismatch
+        w1 = torch.randn(w1s)
+        x = torch.randn(xs)
+        xb, w1n, _ = shards(compiled, [x, w1, w2])
+        out, _ = r.run([xb, w1n, w2b])
+        torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert _counter("cuda_graphs.recapture") == 1
+    assert _counter("cuda_graphs.capture") == 2
+    assert r.input_buffers()[1] is not None and r.input_buffers()[2] is None
+
+
+def test_passing_static_buffer_skips_copy(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    for _ in range(2):
+        r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
+    static_x = r.input_buffers()[0]
+    x = torch.randn(xs)
+    for buf, src in zip(static_x, shards(compiled, [x, w1, w2])[0], strict=True):
+        buf.copy_(src)
+    assert r._copies([static_x, w1b, w2b]) == [[], []]
+    out, _ = r.run([static_x, w1b, w2b])
+    torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+
+
+def test_donated_parameters_are_staged(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    for _ in range(3):
+        x = torch.randn(xs)
+        out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b], donated=frozenset({1}))
+        torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert r.input_buffers()[1] is not None
+    assert all(torch.equal(a, b) for a, b in zip(w1b, shards(compiled, [torch.randn(xs), w1, w2])[1], strict=True))
+
+
+# ---------------------------------------------------------------------------- outputs
+def test_clone_outputs_survive_later_calls(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled, outputs="clone")
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    held = []
+    for _ in range(5):
+        x = torch.randn(xs)
+        out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+        held.append((x, out))
+    for x, out in held:
+        torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert r.num_captures == 1
+
+
+def test_rotate_outputs_never_overwritten_while_held(mlp_prog, caplog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled, outputs="rotate", max_output_sets=2)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+
+    def call():
+        x = torch.randn(xs)
+        out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+        return x, out
+
+    call()                       # warm-up (eager)
+    held = [call(), call()]      # two sets captured, both held
+    assert r.num_captures == 2
+    with caplog.at_level(logging.WARNING, logger="spmd"):
+        held.append(call())      # no free set: eager
+        held.append(call())
+    assert _counter("cuda_graphs.eager_call.outputs_held") == 2
+    assert sum("still held" in rec.getMessage() for rec in caplog.records) == 1
+    for x, out in held:
+        torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    # a view keeps its set held; dropping everything frees both sets
+    view = held[0][1][0][1][1:]
+    held = held[1:]
+    x, out = call()
+    assert _counter("cuda_graphs.eager_call.outputs_held") == 3
+    del view, held, out
+    replays = _counter("cuda_graphs.replay")
+    for _ in range(4):
+        x, out = call()
+        torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert _counter("cuda_graphs.replay") == replays + 4
+    assert r.num_captures == 2
+
+
+# ---------------------------------------------------------------------------- fallbacks
+class _FailingBackend(HostReplayBackend):
+    def capture(self, static_args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_capture_failure_falls_back_to_eager(mlp_prog, caplog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    ex = unwrap(compiled.executable)
+    r = GraphRunner(ex, backend=_FailingBackend(ex))
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    with caplog.at_level(logging.WARNING, logger="spmd"):
+        for _ in range(4):
+            x = torch.randn(xs)
+            out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+            torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert r.disabled_reason == "capture_error"
+    assert _counter("cuda_graphs.fallback.capture_error") == 1
+    msgs = [rec.getMessage() for rec in caplog.records if "capture_error" in rec.getMessage()]
+    assert len(msgs) == 1 and "not permitted" in msgs[0]
+
+
+def test_trace_runs_eagerly_and_bad_args_raise(mlp_prog):
+    from spmd.runtime.trace_events import TraceRecorder
+
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled)
+    args = shards(compiled, [torch.randn(xs), torch.randn(w1s), torch.randn(w2s)])
+    r.run(args, trace=TraceRecorder())
+    assert _counter("cuda_graphs.eager_call.trace") == 1
+    with pytest.raises(ValueError, match=r"args\[0\]"):
+        r.run([[a[:1] for a in args[0]], args[1], args[2]])
+    with pytest.raises(ValueError, match="parameters"):
+        r.run(args[:2])
+    assert _counter("cuda_graphs.eager_call.warmup") == 0
+
+
+def test_runner_forwards_and_close_recaptures(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    ex = unwrap(compiled.executable)
+    r = _runner(compiled)
+    assert r.program is ex.program and r.devices == ex.devices
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    for _ in range(2):
+        r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
+    r.close()
+    assert r.num_captures == 0 and r.input_buffers() == []
+    x = torch.randn(xs)
+    out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+    torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert r.num_captures == 1
+
+
+def test_foreign_storages_cover_args_and_arena():
+    from spmd.runtime.graphs_cuda import _foreign_storages
+
+    arg = torch.randn(4, 4)
+    arena = torch.empty(64, dtype=torch.uint8)
+    view = arena[16:32].view(torch.float32)
+    got = _foreign_storages([[arg[1:]]], [[None, torch.tensor(1.0)]], [[view]])
+    assert got == {arg.untyped_storage().data_ptr(), arena.untyped_storage().data_ptr()}
+
+
+def test_capture_in_another_thread_warms_it_up(mlp_prog):
+    import threading
+
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
+    x = torch.randn(xs)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(out=r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])[0]))
+    t.start()
+    t.join()
+    torch.testing.assert_close(global_out(compiled, got["out"][0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert _counter("cuda_graphs.eager_call.thread_warmup") == 1
+    assert _counter("cuda_graphs.replay") == 1
+    r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+    assert _counter("cuda_graphs.eager_call.thread_warmup") == 1

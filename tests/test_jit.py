@@ -1,0 +1,144 @@
+"""``spmd.jit`` staging and caching, pytree and static arguments, and the metrics a call moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+from spmd import Mesh, NamedSharding, metrics
+from spmd import PartitionSpec as P
+
+MESH = Mesh.create(("tp",), devices="cpu:4")
+
+
+def _counter(name: str) -> int:
+    return metrics.counter(name).value
+
+
+def _samples(name: str) -> int:
+    return metrics.timer(name).total_samples
+
+
+def _scale_add(x, y):
+    return x * 3.0 + y
+
+
+def test_cache_hits_and_misses():
+    f = spmd.jit(_scale_add, mesh=MESH, in_shardings=P("tp"), out_shardings=P("tp"))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    miss, hit, compiles = _counter("compile_cache.miss"), _counter("compile_cache.hit"), _samples("compile")
+    torch.testing.assert_close(f(x, y).to_torch(), x * 3 + y)
+    assert (_counter("compile_cache.miss"), _counter("compile_cache.hit")) == (miss + 1, hit)
+    f(torch.randn(8, 4), torch.randn(8, 4))
+    assert (_counter("compile_cache.miss"), _counter("compile_cache.hit")) == (miss + 1, hit + 1)
+    compiled_once = _samples("compile")
+    assert compiled_once - compiles in (0, 1)  # 0 when another Jitted already compiled this module
+    x2, y2 = torch.randn(12, 4), torch.randn(12, 4)
+    torch.testing.assert_close(f(x2, y2).to_torch(), x2 * 3 + y2)
+    assert _counter("compile_cache.miss") == miss + 2
+    assert _samples("compile") == compiled_once + 1
+
+
+def test_process_wide_cache_shares_the_executable_but_not_the_options():
+    f = spmd.jit(_scale_add, mesh=MESH, in_shardings=P("tp"), out_shardings=P("tp"))
+    g = spmd.jit(_scale_add, mesh=MESH, in_shardings=P("tp"), out_shardings=P("tp"), reshard_inputs=True)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    cf = f.lower(x, y).compile()
+    hits = _counter("compile_cache.global_hit")
+    cg = g.lower(x, y).compile()
+    assert _counter("compile_cache.global_hit") == hits + 1
+    assert cg.executable is cf.executable and cg.output_shardings == cf.output_shardings
+    wrong = spmd.device_put(x, NamedSharding(MESH, P()))
+    with pytest.raises(ValueError, match="reshard_inputs=True"):
+        cf.execute_sharded([wrong, y])
+    torch.testing.assert_close(cg.execute_sharded([wrong, y])[0].to_torch(), x * 3 + y)
+
+
+def test_pytree_arguments_and_outputs():
+    def fn(params, batch):
+        h = batch["x"] @ params["w"] + params["b"]
+        return {"h": h, "norm": (h * h).sum()}
+
+    f = spmd.jit(fn, mesh=MESH, in_shardings=({"w": P(None, "tp"), "b": P("tp")}, {"x": P()}),
+                 out_shardings={"h": P(None, "tp"), "norm": P()})
+    w, b, x = torch.randn(6, 8), torch.randn(8), torch.randn(5, 6)
+    out = f({"w": w, "b": b}, {"x": x})
+    assert set(out) == {"h", "norm"} and out["h"].sharding.spec == P(None, "tp")
+    h = x @ w + b
+    torch.testing.assert_close(out["h"].to_torch(), h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["norm"].to_torch(), (h * h).sum(), rtol=1e-5, atol=1e-4)
+    c = f.lower({"w": w, "b": b}, {"x": x}).compile()
+    assert [s.name.split(": ")[1] for s in c.input_specs] == [
+        "argument args[0]['w']", "argument args[0]['b']", "argument args[1]['x']"]
+    with pytest.raises(ValueError, match=r"fn: arguments have structure"):
+        c({"w": w}, {"x": x})
+
+
+def test_static_arguments_are_part_of_the_key():
+    f = spmd.jit(lambda x, k: x * k, mesh=MESH, in_shardings=(P("tp"), None))
+    x = torch.randn(8, 2)
+    torch.testing.assert_close(f(x, 2.0).to_torch(), x * 2)
+    miss = _counter("compile_cache.miss")
+    torch.testing.assert_close(f(x, 5.0).to_torch(), x * 5)
+    assert _counter("compile_cache.miss") == miss + 1
+    c = f.lower(x, 2.0).compile()
+    with pytest.raises(ValueError, match=r"static argument leaf 1 is 3.0, compiled for 2.0"):
+        c(x, 3.0)
+
+
+def test_lower_exposes_stage_text():
+    lowered = spmd.jit(lambda a, b: a @ b, mesh=MESH, in_shardings=(P(None, "tp"), P("tp")),
+                       out_shardings=P()).lower(torch.randn(4, 8), torch.randn(8, 4))
+    assert "all-reduce" in lowered.as_text("spmd-partition")
+    with pytest.raises(ValueError, match=r"unknown stage 'nope'"):
+        lowered.as_text("nope")
+    c = lowered.compile()
+    assert "all-reduce" in c.collectives_summary()
+
+
+def test_every_metric_moves_when_it_should():
+    f = spmd.jit(_scale_add, mesh=MESH, in_shardings=P("tp"), out_shardings=P("tp"), donate_argnums=0,
+                 reshard_inputs=True)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    f(spmd.device_put(y, NamedSharding(MESH, P())), spmd.device_put(x, NamedSharding(MESH, P("tp"))))  # compile
+    before = metrics.snapshot()
+
+    def moved(kind: str, name: str) -> float:
+        now = metrics.snapshot()[kind].get(name, {} if kind == "timers" else 0)
+        old = before[kind].get(name, {} if kind == "timers" else 0)
+        if kind == "timers":
+            return now.get("total_samples", 0) - old.get("total_samples", 0)
+        return now - old
+
+    xa = spmd.device_put(x, NamedSharding(MESH, P()))      # one transfer of 128 bytes
+    ya = spmd.device_put(y, NamedSharding(MESH, P("tp")))  # and another
+    out = f(xa, ya)                                         # a cache hit, a reshard of xa, a donation
+    value = out.to_torch()                                  # a wait and a transfer back
+    torch.testing.assert_close(value, x * 3 + y)
+    assert moved("counters", "transfer.to_device.bytes") == 2 * 8 * 4 * 4
+    assert moved("timers", "transfer.to_device") == 2
+    assert moved("counters", "compile_cache.hit") == 1 and moved("counters", "compile_cache.miss") == 0
+    assert moved("timers", "compile") == 0
+    assert moved("counters", "reshards") == 1 and moved("timers", "reshard") == 1
+    assert moved("counters", "donations") == 1 and xa.is_deleted
+    assert moved("timers", "execute") == 2  # the reshard program and f
+    assert moved("timers", "wait_for_devices") == 1
+    assert moved("timers", "transfer.from_device") == 1
+    assert moved("counters", "transfer.from_device.bytes") == 8 * 4 * 4
+    assert moved("counters", "output_shardings.computed") == 0
+
+
+def test_report_snapshot_and_reset(monkeypatch):
+    f = spmd.jit(_scale_add, mesh=MESH, in_shardings=P("tp"), out_shardings=P("tp"))
+    f(torch.randn(8, 4), torch.randn(8, 4)).to_torch()
+    text = metrics.report()
+    for name in ("Metric: execute", "Metric: transfer.to_device", "Metric: wait_for_devices",
+                 "Counter: transfer.to_device.bytes", "Percentiles: 1%="):
+        assert name in text
+    snap = metrics.snapshot()
+    assert snap["timers"]["execute"]["total_samples"] >= 1 and set(snap) == {"counters", "timers"}
+    metrics.reset()
+    assert metrics.snapshot()["timers"] == {} and not any(metrics.snapshot()["counters"].values())
+    f(torch.randn(8, 4), torch.randn(8, 4))
+    assert metrics.snapshot()["timers"]["execute"]["total_samples"] == 1
