@@ -13,9 +13,9 @@ device mesh, and run one compiled program on every device::
 
 from spmd import metrics
 from spmd.array import ShardedArray, device_put
+from spmd.compiled import Compiled
 from spmd.frontend.constraint import with_sharding_constraint
 from spmd.jit import Jitted, Lowered, jit
-from spmd.compiled import Compiled
 from spmd.mesh import Mesh
 from spmd.passes.pipeline import CompileOptions
 from spmd.sharding import NamedSharding, PartitionSpec

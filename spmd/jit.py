@@ -15,8 +15,9 @@ options. Output shardings are computed once per compilation.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree

@@ -52,7 +52,7 @@ def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
 
 def _resolve_leaf(leaf, spec, mesh, name: str):
     """The NamedSharding one tensor leaf enters the program with."""
-    from spmd.jit import _Leaf, _as_named
+    from spmd.jit import _as_named, _Leaf
 
     named = _as_named(spec, mesh, name)
     if isinstance(leaf, ShardedArray):

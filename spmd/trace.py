@@ -38,7 +38,6 @@ import torch.utils._pytree as pytree
 from spmd.compiled import COLLECTIVES, Compiled
 from spmd.runtime.trace_events import TraceEvent, TraceRecorder
 
-STREAM_KINDS = ("main", "compute", "communication")
 _EVENT_THUNKS = {"record.": "record-event", "wait.": "wait-event"}
 
 
@@ -87,7 +86,8 @@ class TracedCalls:
 
     ``__call__(*args)`` returns what an untraced call returns; ``events()`` gives the
     ``TraceEvent``s of all calls so far (times shifted onto one timeline, microseconds);
-    ``chrome_trace()`` the JSON object.
+    ``chrome_trace()`` the JSON object (instruction details from the program of the latest
+    call, which is every call's program unless the argument shapes changed between calls).
     Raises TypeError for an object that is none of the accepted kinds.
     """
 
@@ -260,11 +260,7 @@ def _meta(name: str, pid: int, tid: int, args: dict) -> dict:
 
 def _instructions(compiled: Compiled) -> dict[str, Any]:
     """Instruction name -> Instruction over all computations of the final module."""
-    cached = getattr(compiled, "_trace_instructions", None)
-    if cached is None:
-        cached = {i.name: i for c in compiled.module.all_computations() for i in c.instructions}
-        compiled._trace_instructions = cached
-    return cached
+    return {i.name: i for c in compiled.module.all_computations() for i in c.instructions}
 
 
 def _opcode(name: str, insts: dict[str, Any]) -> str:

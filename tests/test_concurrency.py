@@ -64,7 +64,9 @@ def test_virtual_cpu_devices_run_on_a_persistent_pool():
     assert threads  # the per-device work went to the pool
     for _ in range(5):
         y = c(a, b)
-    assert c.executable._pool is pool and {t.ident for t in pool._threads} == threads
+    after = {t.ident for t in pool._threads}
+    assert c.executable._pool is pool and threads <= after and len(after) <= 3  # reused, never more than 3
+    assert all(t.is_alive() for t in pool._threads)
     assert all(t.name.startswith("spmd-cpu") for t in pool._threads)
     torch.testing.assert_close(y.to_torch(), torch.tanh(a @ b), rtol=1e-5, atol=1e-5)
 

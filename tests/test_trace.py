@@ -9,6 +9,7 @@ import torch
 import spmd
 from spmd.models import gpt, plans
 from spmd.parallelize import parallelize
+from spmd.runtime.trace_events import TraceEvent
 from spmd.sharding import PartitionSpec as P
 from spmd.trace import TracedCalls, build_chrome_trace, stream_kinds, trace, tracing
 
@@ -158,6 +159,12 @@ def test_stream_kinds_and_build_from_events():
     obj = build_chrome_trace([], compiled)
     assert not [e for e in obj["traceEvents"] if e["ph"] == "X"]
     assert len([e for e in obj["traceEvents"] if e["name"] == "thread_name"]) == 16
+    # a dot fused into its accumulator update has no thunk of its own: the update names it
+    events = [TraceEvent(2, 1, "matmul.acc0.op", 5.0, 7.5), TraceEvent(2, 0, "wait.matmul.acc0.op", 8.0, 8.0)]
+    slices = [e for e in build_chrome_trace(events, compiled)["traceEvents"] if e["ph"] == "X"]
+    assert slices[0]["args"]["fused"] == ["matmul.0.op"] and slices[0]["dur"] == 2.5
+    assert slices[0]["args"]["opcode"] == "dynamic-update-slice" and slices[0]["cat"] == "compute"
+    assert slices[1]["args"]["opcode"] == "wait-event" and slices[1]["cat"] == "sync"
 
 
 def test_errors(tmp_path):
@@ -171,3 +178,21 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="in_shardings: expected one entry per argument"):
         trace(f, torch.randn(4, 2), path=tmp_path / "bad.json")
     assert not (tmp_path / "bad.json").exists()
+
+
+@pytest.mark.gpu(count=2)
+def test_gpu_windowed_einsum_trace(tmp_path):
+    mesh = spmd.Mesh.create(("tp",), devices="cuda:2")
+    f = spmd.jit(_matmul, mesh=mesh, in_shardings=(P("tp", None), P(None, "tp")), out_shardings=P(None, "tp"),
+                 options=WINDOWED)
+    x, w = torch.randn(1024, 512) + 0.1, torch.randn(512, 1024) + 0.1
+    want = f(x, w).to_torch()
+    with tracing(f, path=tmp_path / "gpu.json") as run:
+        got = run(x, w).to_torch()
+    assert torch.equal(got, want)
+    procs, threads, events = _tracks(_load(tmp_path / "gpu.json"))
+    assert procs == {0: "device cuda:0", 1: "device cuda:1"}
+    _check_every_dot_on_every_device(f.lower(x, w).compile(), events, 2)
+    permutes = [e for e in events if e["args"]["opcode"] == "collective-permute-start"]
+    assert permutes and all(threads[(e["pid"], e["tid"])].endswith("(communication)") for e in permutes)
+    assert all(e["dur"] > 0 for e in events if e["cat"] != "sync")

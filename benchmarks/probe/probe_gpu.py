@@ -23,7 +23,7 @@ torch.cuda.nccl.all_reduce(ys)
 torch.cuda.synchronize()
 ref = sum(x.cpu() for x in xs)
 print("all_reduce correct", all(torch.allclose(y.cpu(), ref) for y in ys))
-for it in range(3):
+for _round in range(3):
     t = time.perf_counter()
     for _ in range(100):
         torch.cuda.nccl.all_gather(xs, outs)
@@ -58,10 +58,12 @@ k0 = time.perf_counter()
 for _ in range(1000):
     x.add_(1)
 print("tiny kernel launch us", (time.perf_counter() - k0) * 1e3)
-r = subprocess.run(["python3", "-c", "import jax; print(jax.__version__, jax.devices())"], capture_output=True, text=True,
-                   env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+r = subprocess.run(["python3", "-c", "import jax; print(jax.__version__, jax.devices())"],
+                   capture_output=True, text=True, env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
 print("jax:", r.stdout.strip(), r.stderr.strip()[-300:])
-for m in ["sentence_transformers", "transformers", "tokenizers", "safetensors", "rich", "matplotlib", "hypothesis", "expecttest", "filecheck", "cupy"]:
+MODULES = ["sentence_transformers", "transformers", "tokenizers", "safetensors", "rich", "matplotlib",
+           "hypothesis", "expecttest", "filecheck", "cupy"]
+for m in MODULES:
     try:
         mod = __import__(m)
         print(m, getattr(mod, "__version__", "?"))

@@ -24,8 +24,9 @@ Example (the text form, see ``spmd.ir.text``)::
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

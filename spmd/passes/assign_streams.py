@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
-from spmd.passes.windowed_einsum import MARK, STREAMS_KEY, stable_toposort
+from spmd.passes.windowed_einsum import ACCUMULATE_KEY, MARK, STREAMS_KEY, stable_toposort
 
 AUTO_MAX_STREAMS = 2  # compute streams the cost model may advise (cost_model.decide)
 
@@ -49,6 +49,9 @@ class AssignStreams:
       the partial dot's backend_config, 1 where absent).
     fuse_update: move a partial dot's single dynamic-update-slice user (its update operand)
       into the same async computation.
+    A partial dot marked ``"accumulate": true`` takes its single ``add`` user (the sum with
+    a received accumulator) into its async computation, and that add's dynamic-update-slice
+    user under ``fuse_update``: the runtime then runs one addmm into the result's rows.
     A dynamic-slice read only by a partial dot moves into the dot's async computation too.
     Raises ValueError for num_compute_streams < 1.
     """
@@ -115,9 +118,15 @@ class AssignStreams:
                 continue
             unit = [o for o in dict.fromkeys(inst.operands)
                     if o.opcode == "dynamic-slice" and users[o] == [inst] and o is not comp.root] + [inst]
-            dus = users[inst][0] if len(users[inst]) == 1 else None
+            last = inst
+            add = users[inst][0] if len(users[inst]) == 1 else None
+            if (inst.attrs["backend_config"].get(ACCUMULATE_KEY) and add is not None and add.opcode == "add"
+                    and add.operands.count(inst) == 1 and add is not comp.root):
+                unit.append(add)
+                last = add
+            dus = users[last][0] if len(users[last]) == 1 else None
             if (self.fuse_update and dus is not None and dus.opcode == "dynamic-update-slice"
-                    and dus.operands.index(inst) == 1 and dus.operands.count(inst) == 1):
+                    and dus.operands.index(last) == 1 and dus.operands.count(last) == 1):
                 unit.append(dus)
             units[id(unit[-1])] = unit
         return units

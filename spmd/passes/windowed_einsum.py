@@ -28,7 +28,12 @@ chunk ``r`` fully summed.
 Bidirectional (``bidirectional=True``): every chunk is split in two halves along the
 split dim; the first halves travel to the ring successor, the second halves to the
 predecessor, and each step computes two half-chunk dots (XLA's / the paper's
-bidirectional variant; it uses both directions of ring links).
+bidirectional variant; it uses both directions of ring links). On the reduce-scatter
+side the two halves interleave: a lane's accumulator travels while the other lane's
+dot runs, so a partial dot that adds a received accumulator is marked
+``"accumulate": true`` (assign-streams then puts the add in the dot's async unit and
+the runtime accumulates with one addmm), and the halves of the result are written
+into one buffer by dynamic-update-slices instead of a concatenate.
 
 One all-gather feeding several dots (Q, K, V projections) shares one ring. Any group
 size P >= 2, any chunk size (bidirectional needs chunks of >= 2 rows), 2-d meshes
@@ -51,6 +56,7 @@ from spmd.passes.cost_model import H200_NVLINK, GemmShape, MachineProfile, decid
 
 _MODES = ("auto", "on", "off")
 MARK = "windowed_einsum"  # backend_config key of a partial dot: its ring step
+ACCUMULATE_KEY = "accumulate"  # backend_config key: the dot's add user joins its async unit
 STREAMS_KEY = "compute_streams"  # backend_config key: compute streams the cost model advises
 
 
@@ -309,12 +315,16 @@ class _RsSite:
                 off = em.offset(r, ln, s, p, c, self.rs.name)
                 ops = [em.dslice(op, d, off, ln.rows, f"{dot.name}.{ln.tag}{'lhs' if k == 0 else 'rhs'}{s}")
                        if d is not None else op for k, (op, d) in enumerate(zip(dot.operands, self.src, strict=True))]
-                part = em.partial_dot(dot, ops, self.dim, ln.rows, f"{dot.name}.{ln.tag}{s}", s)
+                part = em.partial_dot(dot, ops, self.dim, ln.rows, f"{dot.name}.{ln.tag}{s}", s,
+                                      accumulate=bidir and recv is not None)
                 accs[li] = part if recv is None else em.op("add", part.shape, [part, recv],
                                                            f"{self.rs.name}.{ln.tag}acc{s}")
         out = accs[0]
-        if bidir:
-            out = em.op("concatenate", self.rs.shape, accs, f"{self.rs.name}.cat", dimensions=(self.dim,))
+        if bidir:  # the halves land in one buffer (the runtime writes each sum straight into its rows)
+            out = em.op("broadcast", self.rs.shape, [em.const(0, self.rs.shape.dtype)], f"{self.rs.name}.init",
+                        dimensions=())
+            for acc, ln in zip(accs, lanes, strict=True):
+                out = em.dus(out, acc, self.dim, em.const(ln.row_off), f"{self.rs.name}.{ln.tag}out")
         _insert_before(comp, self.rs, em.new)
         _replace(comp, self.rs, out)
         comp.instructions.remove(dot)
@@ -417,9 +427,12 @@ class _Emitter:
         starts = [off if d == dim else self.const(0) for d in range(acc.shape.rank)]
         return self.op("dynamic-update-slice", acc.shape, [acc, part, *starts], name)
 
-    def partial_dot(self, dot: Instruction, ops, out_dim: int, rows: int, name: str, step: int) -> Instruction:
+    def partial_dot(self, dot: Instruction, ops, out_dim: int, rows: int, name: str, step: int,
+                    accumulate: bool = False) -> Instruction:
         attrs = dict(dot.attrs)
         attrs["backend_config"] = {**attrs.get("backend_config", {}), MARK: step}
+        if accumulate:
+            attrs["backend_config"][ACCUMULATE_KEY] = True
         if self.streams is not None:
             attrs["backend_config"][STREAMS_KEY] = self.streams
         return self.op("dot", _with_dim(dot.shape, out_dim, rows), ops, name, **attrs)

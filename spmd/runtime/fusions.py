@@ -10,7 +10,15 @@
 (b) ``add(dot(%a, %b), %c)`` (either order) where the dot has no other user and is a plain or
     batched matrix product in the operands' dtype: ``torch.addmm`` / ``torch.baddbmm``.
 
-Both rewrite the ``Op`` list of ``spmd.runtime.lower`` in place; the unfused path stays for
+(a) also takes a fused addmm of (b) as its update (``torch.addmm(c, a, b, out=view)``), and a
+    2-d matrix product may land in any rectangle of a 2-d buffer (cuBLAS writes a stride-1
+    view with a leading dimension; the column blocks of an all-gather of weights).
+(c) a chain of (a)-fused updates whose slices cover the whole buffer on every device (read
+    from the offsets folded at lowering time) starts from new memory instead of a copy of
+    the initial value (the zero broadcast of windowed einsum's accumulators), and that
+    initial value's op is dropped when nothing else reads it.
+
+All rewrite the ``Op`` list of ``spmd.runtime.lower`` in place; the unfused path stays for
 everything else.
 """
 
@@ -27,8 +35,12 @@ from spmd.ir.hlo import ELEMENTWISE_OPCODES
 FRESH_OPCODES = (ELEMENTWISE_OPCODES - {"convert"}) | {"dot", "dynamic-update-slice", "concatenate"}
 
 
-def fuse(ops: list, outputs: set[int], buffers: Any) -> None:
-    """Apply fusions (a) and (b) to ``ops`` (a list of ``lower.Op``) in place."""
+def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | None = None) -> None:
+    """Apply fusions (a), (b) and (c) to ``ops`` (a list of ``lower.Op``) in place.
+
+    ``folded``: slot -> per-device host values of the values folded at lowering time (the
+    dynamic-update-slice offsets); enables (c).
+    """
     readers: dict[int, list[int]] = {}
     for k, op in enumerate(ops):
         for s in op.ins:
@@ -46,10 +58,13 @@ def fuse(ops: list, outputs: set[int], buffers: Any) -> None:
         elif op.inst.opcode == "add":
             for pos in (0, 1):
                 d = _fusable_dot(ops, producer, readers, outputs, op.ins[pos], op.stream)
-                if d is not None and _addmm_ok(ops[d].inst, op.inst, op.inst.operands[1 - pos]):
+                if d is not None and "mm" not in ops[d].extra and _addmm_ok(
+                        ops[d].inst, op.inst, op.inst.operands[1 - pos]):
                     _fuse_addmm(ops, k, d, op.ins[1 - pos])
                     removed.add(d)
                     break
+    if folded is not None:
+        _skip_covered_inits(ops, producer, readers, removed, folded)
     ops[:] = [op for k, op in enumerate(ops) if k not in removed]
 
 
@@ -62,11 +77,14 @@ def dot_work(dot_inst) -> int:
 
 
 def _fusable_dot(ops, producer, readers, outputs, slot: int, stream: int) -> int | None:
+    """Index of the op producing ``slot`` when it is a dot (or a fused addmm) that can be fused
+    into its single reader on ``stream``."""
     d = producer.get(slot)
     if d is None:
         return None
     dot = ops[d]
-    if dot.inst.opcode != "dot" or dot.fn is not None or dot.stream != stream:
+    plain = dot.inst.opcode == "dot" and dot.fn is None
+    if not (plain or "mm" in dot.extra) or dot.stream != stream:
         return None
     if slot in outputs or len(readers.get(slot, ())) != 1:
         return None
@@ -82,7 +100,11 @@ def _dus_ok(ops, k: int, d: int, readers, outputs) -> bool:
         return False
     if buf in op.ins[2:]:
         return False
-    return contiguous_update(op.inst.operands[0].shape.dims, op.inst.operands[1].shape.dims)
+    buf_dims, upd_dims = op.inst.operands[0].shape.dims, op.inst.operands[1].shape.dims
+    if contiguous_update(buf_dims, upd_dims):
+        return True
+    # a 2-d product may land in any rectangle: cuBLAS writes rows of a stride-1 view
+    return len(buf_dims) == 2 and _direct_mm(ops[d]) is not None
 
 
 def contiguous_update(buf_dims: tuple[int, ...], upd_dims: tuple[int, ...]) -> bool:
@@ -106,6 +128,25 @@ def _owned(ops, producer, slot: int) -> bool:
     return "spec" in op.extra or op.alias_of >= 0 or op.inst.opcode in FRESH_OPCODES
 
 
+def _direct_mm(prod) -> Callable | None:
+    """``(operands, out) -> out`` on torch.mm / torch.addmm writing into a strided 2-d ``out``, or None."""
+    if "mm" in prod.extra:
+        batched, trans = prod.extra["mm"]
+        return None if batched else make_addmm(False, trans)
+    layout = _mm_layout(prod.inst)
+    lhs, rhs = prod.inst.operands
+    if layout is None or layout[0] or not (prod.inst.shape.dtype == lhs.shape.dtype == rhs.shape.dtype):
+        return None
+    trans = layout[1]
+
+    def kernel(ops: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+        a, b = ops
+        if trans:
+            b = b.t()
+        return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
+    return kernel
+
+
 def _fuse_dus(ops, k: int, d: int, producer, buffers) -> None:
     from spmd.runtime.kernels import compile_kernel
 
@@ -119,42 +160,111 @@ def _fuse_dus(ops, k: int, d: int, producer, buffers) -> None:
     inplace = _owned(ops, producer, buf) and not in_arena
     if buf_name in offsets and op.inst.name in offsets and offsets[buf_name] == offsets[op.inst.name]:
         inplace = True  # the buffer assignment shares the bytes: write in place via ``out``
-    op.fn = make_dot_into_slice(compile_kernel(dot.inst), buf_dims, upd_dims, inplace and not in_arena)
+    prod_fn = _direct_mm(dot) or (dot.fn if dot.fn is not None else compile_kernel(dot.inst))
+    op.fn = make_dot_into_slice(prod_fn, buf_dims, upd_dims, inplace and not in_arena, num_ins=len(dot.ins))
     op.ins = [buf, *dot.ins, *op.ins[2:]]
-    op.extra["offset_from"] = 3
-    op.extra["work"] = dot_work(dot.inst)
+    op.extra["offset_from"] = 1 + len(dot.ins)
+    op.extra["work"] = dot.extra.get("work", dot_work(dot.inst) if dot.inst.opcode == "dot" else 0)
+    op.extra["into_slice"] = (buf_dims, upd_dims, len(dot.ins), prod_fn)
     if inplace:
         op.alias_of = buf
 
 
 def make_dot_into_slice(dot_fn: Callable, buf_dims: tuple[int, ...], upd_dims: tuple[int, ...],
-                        inplace: bool) -> Callable:
-    """Closure ``([buf, lhs, rhs, start_0, ...], out) -> Tensor`` for fusion (a).
+                        inplace: bool, num_ins: int = 2, fresh: bool = False,
+                        dtype: torch.dtype | None = None) -> Callable:
+    """Closure ``([buf, p_0, ..., p_{n-1}, start_0, ...], out) -> Tensor`` for fusion (a).
 
-    Writes ``dot(lhs, rhs)`` into ``buf[start_0:start_0+u_0, ...]`` (starts clamped as XLA's
-    dynamic-update-slice does). The target is ``out`` when given (``buf`` copied into it unless
-    it is the same memory), else ``buf`` itself when ``inplace`` and ``buf`` is a contiguous
-    non-view tensor, else a copy of ``buf``.
+    Writes ``dot_fn([p_0, ...], view)`` (a dot, or an addmm) into
+    ``buf[start_0:start_0+u_0, ...]`` (starts clamped as XLA's dynamic-update-slice does). The
+    target is ``out`` when given (``buf`` copied into it unless it is the same memory), else
+    ``buf`` itself when ``inplace`` and ``buf`` is a contiguous non-view tensor, else a copy of
+    ``buf``. With ``fresh`` (fusion (c): later updates overwrite every element ``buf`` would
+    contribute), ``buf`` is not an operand and the target is ``out`` or new memory of
+    ``dtype`` (default: the last operand's).
     """
     moving = tuple(i for i, (b, u) in enumerate(zip(buf_dims, upd_dims, strict=False)) if b != u)
     limits = {i: buf_dims[i] - upd_dims[i] for i in moving}
+    first = 0 if fresh else 1
+    off0 = first + num_ins
 
     def kernel(ops: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
-        buf = ops[0]
-        if out is not None:
-            if out.data_ptr() != buf.data_ptr():
-                out.copy_(buf)
-            target = out
-        elif inplace and buf._base is None and buf.is_contiguous():
-            target = buf
+        prods = ops[first:off0]
+        if fresh:
+            target = out if out is not None else torch.empty(buf_dims, dtype=dtype or prods[-1].dtype,
+                                                             device=prods[-1].device)
         else:
-            target = buf.clone(memory_format=torch.contiguous_format)
+            buf = ops[0]
+            if out is not None:
+                if out.data_ptr() != buf.data_ptr():
+                    out.copy_(buf)
+                target = out
+            elif inplace and buf._base is None and buf.is_contiguous():
+                target = buf
+            else:
+                target = buf.clone(memory_format=torch.contiguous_format)
         view = target
         for i in moving:
-            view = view.narrow(i, min(max(int(ops[3 + i]), 0), limits[i]), upd_dims[i])
-        dot_fn([ops[1], ops[2]], view)
+            view = view.narrow(i, min(max(int(ops[off0 + i]), 0), limits[i]), upd_dims[i])
+        dot_fn(prods, view)
         return target
     return kernel
+
+
+def _skip_covered_inits(ops, producer, readers, removed: set[int], folded: dict[int, list]) -> None:
+    """Fusion (c): a chain of fused dynamic-update-slices whose updates cover the whole buffer
+    on every device (the accumulators of windowed einsum) starts from new memory instead of
+    a copy of its initial value; that value's op goes when nothing else reads it."""
+    chain_next: dict[int, int] = {}
+    for k, op in enumerate(ops):
+        if k not in removed and "into_slice" in op.extra and op.alias_of >= 0 and op.alias_of in producer:
+            chain_next[producer[op.alias_of]] = k
+    heads = [k for k, op in enumerate(ops) if k not in removed and "into_slice" in op.extra
+             and op.alias_of < 0 and op.ins[0] in producer and ops[producer[op.ins[0]]].inst.opcode == "broadcast"]
+    for k in heads:
+        chain = [k]
+        while chain[-1] in chain_next:
+            chain.append(chain_next[chain[-1]])
+        if not _covers(ops, chain, folded):
+            continue
+        op = ops[k]
+        buf_dims, upd_dims, num_ins, prod_fn = op.extra["into_slice"]
+        init = op.ins[0]
+        op.fn = make_dot_into_slice(prod_fn, buf_dims, upd_dims, False, num_ins=num_ins, fresh=True,
+                                    dtype=op.inst.shape.torch_dtype)
+        op.ins = op.ins[1:]
+        op.extra["offset_from"] -= 1
+        readers[init].remove(k)
+        if not readers[init]:
+            removed.add(producer[init])
+
+
+def _covers(ops, chain: list[int], folded: dict[int, list]) -> bool:
+    """Whether the updates of ``chain`` write every element of the buffer on every device."""
+    buf_dims, upd_dims, num_ins, _ = ops[chain[0]].extra["into_slice"]
+    moving = [i for i, (b, u) in enumerate(zip(buf_dims, upd_dims, strict=False)) if b != u]
+    if len(moving) > 1:
+        return False
+    for k in chain[1:]:
+        if ops[k].extra["into_slice"][:2] != (buf_dims, upd_dims):
+            return False
+    if not moving:
+        return True
+    dim = moving[0]
+    slots = [ops[k].ins[1 + num_ins + dim] for k in chain]
+    if any(s not in folded for s in slots):
+        return False
+    limit = buf_dims[dim] - upd_dims[dim]
+    for dev in range(len(folded[slots[0]])):
+        starts = sorted(min(max(int(folded[s][dev]), 0), limit) for s in slots)
+        end = 0
+        for st in starts:
+            if st > end:
+                return False
+            end = max(end, st + upd_dims[dim])
+        if end < buf_dims[dim]:
+            return False
+    return True
 
 
 def _addmm_ok(dot_inst, add_inst, other) -> bool:
@@ -185,6 +295,7 @@ def _fuse_addmm(ops, k: int, d: int, c_slot: int) -> None:
     op.fn = make_addmm(batched, trans)
     op.ins = [c_slot, *ops[d].ins]
     op.extra["work"] = dot_work(ops[d].inst)
+    op.extra["mm"] = (batched, trans)
 
 
 def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:

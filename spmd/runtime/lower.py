@@ -293,7 +293,8 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     output_slots = flatten_ref(lw.refs[id(entry.root)])
     outputs = set(output_slots)
     if fuse:
-        fusions.fuse(lw.ops, outputs, buffers)
+        fusions.fuse(lw.ops, outputs, buffers, lw.folded)
+    _mark_views(lw, donated)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
     clone = tuple(s in lw.folded or _in_arena(s, lw.ops, op_buffers) for s in output_slots)
@@ -327,6 +328,23 @@ def _shares(ops: list[Op], op_buffers: dict[int, int]) -> dict[int, tuple[int, .
     return out
 
 
+_VIEW_OPCODES = frozenset({"slice", "dynamic-slice"})
+
+
+def _mark_views(lw: _Lowerer, donated: frozenset[int]) -> None:
+    """Slices of parameters (static, or at offsets folded at lowering time) stay views.
+
+    Their kernels return a view of the operand when given no arena view, so the slice is
+    free (cuBLAS and the peer copies read strided rows); a parameter's memory is the caller's
+    and nothing in the call writes it unless it is donated.
+    """
+    params = {s for n, s in lw.param_slots.items() if n not in donated}
+    for op in lw.ops:
+        if (op.inst.opcode in _VIEW_OPCODES and op.fn is None and op.ins and op.ins[0] in params
+                and all(s in lw.folded for s in op.ins[1:])):
+            op.extra["view"] = True
+
+
 def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:
     """Folded slots read as dynamic-slice offsets -> a new slot holding the host copy."""
     out: dict[int, int] = {}
@@ -357,7 +375,7 @@ def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaVi
     offsets = buffers.offsets_bytes
     for k, op in enumerate(ops):
         name = op.buffer_name
-        if "spec" in op.extra or name is None or name not in offsets or op.out in outputs:
+        if "spec" in op.extra or "view" in op.extra or name is None or name not in offsets or op.out in outputs:
             continue
         shape = op.inst.shape
         if shape.is_tuple:
