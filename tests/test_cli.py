@@ -27,12 +27,24 @@ def test_parse_mesh():
             parse_mesh(bad)
 
 
-def test_help_is_short():
-    r = spmd("--help")
-    assert r.returncode == 0 and "demo" in r.stdout and "run" in r.stdout
-    assert len(r.stdout.splitlines()) < 20
-    r = spmd("run", "--help")
-    assert r.returncode == 0 and "--mesh" in r.stdout and "--dump" in r.stdout
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """Run ``spmd.cli.main`` in this process (argparse exits become return codes)."""
+    from spmd.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_is_short(capsys):
+    code, out, _ = in_process(capsys, "--help")
+    assert code == 0 and "demo" in out and "run" in out
+    assert len(out.splitlines()) < 20
+    code, out, _ = in_process(capsys, "run", "--help")
+    assert code == 0 and "--mesh" in out and "--dump" in out
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -45,19 +57,27 @@ def test_help_is_short():
     (("run", "--model", "gpt3-layer", "--mesh", "tp=2", "--batch", "0", "--device", "cpu"), "--batch"),
     (("run", "--model", "gpt3-layer", "--mesh", "tp=4096", "--device", "cuda"), "CUDA devices"),
 ])
-def test_bad_input_is_one_line_without_traceback(args, expected):
-    r = spmd(*args)
+def test_bad_input_is_one_line_without_traceback(capsys, args, expected):
+    code, out, err = in_process(capsys, *args)
+    assert code == 2, err
+    assert "Traceback" not in err + out
+    lines = err.strip().splitlines()
+    assert expected in lines[-1], err
+    assert lines[-1].startswith("spmd") and len(lines[-1]) < 400
+
+
+def test_bad_input_as_a_subprocess_exits_2_without_traceback():
+    r = spmd("run", "--model", "gpt3-layer", "--mesh", "tp=5", "--device", "cpu")
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr + r.stdout
-    err = r.stderr.strip().splitlines()
-    assert expected in err[-1], r.stderr
-    assert err[-1].startswith("spmd") and len(err[-1]) < 400
+    assert r.stderr.strip().splitlines()[-1].startswith("spmd: error:") and "96 heads" in r.stderr
 
 
-def test_missing_model_files_say_what_to_do(tmp_path):
-    r = spmd("run", "--model", "minilm", "--mesh", "tp=2", "--device", "cpu", env={"SPMD_MINILM_DIR": str(tmp_path)})
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "SPMD_MINILM_DIR" in r.stderr and "lacks config.json" in r.stderr
+def test_missing_model_files_say_what_to_do(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPMD_MINILM_DIR", str(tmp_path))
+    code, _, err = in_process(capsys, "run", "--model", "minilm", "--mesh", "tp=2", "--device", "cpu")
+    assert code == 2 and "Traceback" not in err
+    assert "SPMD_MINILM_DIR" in err and "lacks config.json" in err
 
 
 def test_package_not_installed_message(monkeypatch):

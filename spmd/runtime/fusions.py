@@ -220,7 +220,7 @@ def _skip_covered_inits(ops, producer, readers, removed: set[int], folded: dict[
         if k not in removed and "into_slice" in op.extra and op.alias_of >= 0 and op.alias_of in producer:
             chain_next[producer[op.alias_of]] = k
     heads = [k for k, op in enumerate(ops) if k not in removed and "into_slice" in op.extra
-             and op.alias_of < 0 and op.ins[0] in producer and ops[producer[op.ins[0]]].inst.opcode == "broadcast"]
+             and op.ins[0] in producer and ops[producer[op.ins[0]]].inst.opcode == "broadcast"]
     for k in heads:
         chain = [k]
         while chain[-1] in chain_next:
@@ -233,6 +233,7 @@ def _skip_covered_inits(ops, producer, readers, removed: set[int], folded: dict[
         op.fn = make_dot_into_slice(prod_fn, buf_dims, upd_dims, False, num_ins=num_ins, fresh=True,
                                     dtype=op.inst.shape.torch_dtype)
         op.ins = op.ins[1:]
+        op.alias_of = -1
         op.extra["offset_from"] -= 1
         readers[init].remove(k)
         if not readers[init]:
