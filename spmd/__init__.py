@@ -19,6 +19,7 @@ from spmd.jit import Jitted, Lowered, jit
 from spmd.mesh import Mesh
 from spmd.passes.pipeline import CompileOptions
 from spmd.sharding import NamedSharding, PartitionSpec
+from spmd.trace import trace, tracing
 
 __all__ = [
     "Compiled",
@@ -32,6 +33,8 @@ __all__ = [
     "device_put",
     "jit",
     "metrics",
+    "trace",
+    "tracing",
     "with_sharding_constraint",
 ]
 __version__ = "0.1.0"
