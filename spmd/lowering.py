@@ -7,6 +7,7 @@ Tracing uses meta tensors, so no device memory is touched while lowering.
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
@@ -93,6 +94,7 @@ def lower_function(jitted, args: tuple):
     program = import_program(flat_fn, tuple(examples), name=_module_name(jitted.__name__))
     module = program.module
     out_tree = holder["out_tree"]
+    _name_parameters(module, jitted.fn, [paths[i] for i in tensor_idx])
     _annotate(module, mesh, in_leaves, jitted.out_shardings, out_tree)
     key = (print_module(module), mesh, jitted.options, jitted.donate_argnums, repr(static))
     root = module.entry.root
@@ -102,6 +104,22 @@ def lower_function(jitted, args: tuple):
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
+
+
+def _name_parameters(module: Module, fn, paths: list[str]) -> None:
+    """Name entry parameters after the user's arguments (``x``, ``params.w1``) instead of ``args_0``."""
+    try:
+        arg_names = [p.name for p in inspect.signature(getattr(fn, "forward", fn)).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return
+    for param, path in zip(module.entry.parameters, paths):
+        m = re.match(r"\[(\d+)\](.*)", path)
+        if m is None or int(m.group(1)) >= len(arg_names):
+            continue
+        rest = ".".join(re.findall(r"\w+", m.group(2)))
+        base = _module_name(arg_names[int(m.group(1))] + ("." + rest if rest else ""))
+        param.name = module.fresh_name(base)
 
 
 def _module_name(fn_name: str) -> str:

@@ -219,14 +219,15 @@ def decide(
     g0 = gemms[0]
     if chunk_bytes is None:
         chunk_bytes = g0.m / p * (g0.k if collective == "all-gather" else g0.n) * it
-    add_bytes = 0.0 if collective == "all-gather" else 3.0 * chunk_bytes
     serial = _serial_us(gemms, p, dtype, profile, chunk_bytes)
     best: dict[str, tuple[float, int]] = {}
-    # all-gather partial dots update one accumulator in turn (assign-streams fuses the update):
-    # only the independent dots of the reduce-scatter side can run concurrently
-    streams = (1,) if collective == "all-gather" else (1, 2)
+    # One compute stream: concurrent partial GEMMs compete for the same SMs and measured
+    # slower on H200 (reduce-scatter 8192x8192x28672: 1.66x vs 1.16x of the limit).
     for name, bi in (("uni", False), ("bi", True)):
-        best[name] = min((_windowed_us(gemms, p, dtype, profile, chunk_bytes, add_bytes, bi, s), s) for s in streams)
+        # reduce-scatter: uni adds the received accumulator in a separate pass (read 2, write 1);
+        # bi accumulates with addmm into the result rows (copy the received rows: read 1, write 1)
+        add_bytes = 0.0 if collective == "all-gather" else (2.0 if bi else 3.0) * chunk_bytes
+        best[name] = (_windowed_us(gemms, p, dtype, profile, chunk_bytes, add_bytes, bi, 1), 1)
     pick = "uni" if best["uni"][0] <= best["bi"][0] else "bi"
     decompose = best[pick][0] < serial * (1.0 - margin)
     predicted = {"serial": serial, "uni": best["uni"][0], "bi": best["bi"][0]}
