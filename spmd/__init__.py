@@ -17,6 +17,7 @@ from spmd.compiled import Compiled
 from spmd.frontend.constraint import with_sharding_constraint
 from spmd.jit import Jitted, Lowered, jit
 from spmd.mesh import Mesh
+from spmd.parallelize import parallelize
 from spmd.passes.pipeline import CompileOptions
 from spmd.sharding import NamedSharding, PartitionSpec
 from spmd.trace import trace, tracing
@@ -33,6 +34,7 @@ __all__ = [
     "device_put",
     "jit",
     "metrics",
+    "parallelize",
     "trace",
     "tracing",
     "with_sharding_constraint",

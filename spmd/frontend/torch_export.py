@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import warnings
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +102,9 @@ def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> Exp
         for op in ATEN_OPS:
             if isinstance(op, torch._ops.OpOverload) and op in table:
                 del table[op]
-        ep = ep.run_decompositions(table)
+        with warnings.catch_warnings():  # torch's own pytree deprecation, raised inside run_decompositions
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            ep = ep.run_decompositions(table)
     return ep
 
 

@@ -151,16 +151,15 @@ ENTRY %main (x: f32[4,6], w: f32[6,5]) -> f32[8,5] {
   %rs.cwrecv1-start = (f32[2,5], f32[2,5]) collective-permute-start(%d.cw0), source_target_pairs={{0,1},{1,0}}, stream_id=2
   %rs.cwrecv1 = f32[2,5] collective-permute-done(%rs.cwrecv1-start), stream_id=2
   %rs.off0 = s32[] multiply(%pid.s32, %c4), stream_id=0
-  %d.cw1-start = ((f32[8,6], s32[], s32[], f32[6,5]), f32[2,5]) async-start(%x, %rs.off0, %zero, %w), calls=%d.cw1.body, stream_id=1
-  %d.cw1 = f32[2,5] async-done(%d.cw1-start), stream_id=1
-  %rs.cwacc1 = f32[2,5] add(%d.cw1, %rs.cwrecv1), stream_id=0
   %rs.ccwrecv1-start = (f32[2,5], f32[2,5]) collective-permute-start(%d.ccw0), source_target_pairs={{0,1},{1,0}}, stream_id=2
   %rs.ccwrecv1 = f32[2,5] collective-permute-done(%rs.ccwrecv1-start), stream_id=2
   %rs.off0h = s32[] add(%rs.off0, %c2), stream_id=0
-  %d.ccw1-start = ((f32[8,6], s32[], s32[], f32[6,5]), f32[2,5]) async-start(%x, %rs.off0h, %zero, %w), calls=%d.ccw1.body, stream_id=1
-  %d.ccw1 = f32[2,5] async-done(%d.ccw1-start), stream_id=1
-  %rs.ccwacc1 = f32[2,5] add(%d.ccw1, %rs.ccwrecv1), stream_id=0
-  ROOT %rs = f32[4,5] concatenate(%rs.cwacc1, %rs.ccwacc1), dimensions={0}, stream_id=0
+  %f32.0 = f32[] constant(0.0), stream_id=0
+  %rs.init = f32[4,5] broadcast(%f32.0), dimensions={}, stream_id=0
+  %rs.cwout-start = ((f32[8,6], s32[], s32[], f32[6,5], f32[2,5], f32[4,5]), f32[4,5]) async-start(%x, %rs.off0, %zero, %w, %rs.cwrecv1, %rs.init), calls=%rs.cwout.body, stream_id=1
+  %rs.cwout = f32[4,5] async-done(%rs.cwout-start), stream_id=1
+  %rs-start = ((f32[8,6], s32[], s32[], f32[6,5], f32[2,5], f32[4,5], s32[]), f32[4,5]) async-start(%x, %rs.off0h, %zero, %w, %rs.ccwrecv1, %rs.cwout, %c2), calls=%rs.body, stream_id=1
+  ROOT %rs = f32[4,5] async-done(%rs-start), stream_id=1
 }
 """)
 
