@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-import warnings
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
