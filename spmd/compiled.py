@@ -86,6 +86,9 @@ class Compiled:
         self._outputs = tuple(zip(output_shardings, (torch.Size(s) for s in output_shapes), output_dtypes,
                                   strict=True))
         self._no_events = (None,) * len(self.mesh.devices)
+        self._out_leaf = lowered.out_tree.is_leaf()
+        # a GraphRunner skips re-checking the buffers of arrays checked here
+        self._run = getattr(executable, "run_checked", executable.run)
 
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
@@ -133,7 +136,23 @@ class Compiled:
                 if leaves[i] != value:
                     raise ValueError(f"{self.name}: static argument leaf {i} is {leaves[i]!r}, compiled for {value!r}")
             leaves = [leaves[i] for i in self._tensor_positions]
-        return pytree.tree_unflatten(self.execute_sharded(leaves), self.lowered.out_tree)
+        outs = self.execute_sharded(leaves)
+        return outs[0] if self._out_leaf else pytree.tree_unflatten(outs, self.lowered.out_tree)
+
+    def _call_laid_out(self, args: Sequence):
+        """Run on positional ``ShardedArray``s that are exactly the flat inputs, live and laid out as
+        compiled; returns the outputs' pytree, or None (nothing run) when any argument is not."""
+        start = time.perf_counter()
+        for spec, a in zip(self.input_specs, args):
+            if type(a) is not ShardedArray or a._deleted_reason is not None or a._dtype is not spec.dtype \
+                    or a._shape != spec.shape:
+                return None
+            if a._sharding is not spec.sharding:
+                if a._sharding != spec.sharding:
+                    return None
+                a._sharding = spec.sharding  # an equal value object: later calls match by identity
+        outs = self._execute(args, args, start)
+        return outs[0] if self._out_leaf else pytree.tree_unflatten(outs, self.lowered.out_tree)
 
     def execute_sharded(self, args: Sequence[ShardedArray | torch.Tensor]) -> list[ShardedArray]:
         """Run on the flat list of tensor inputs; returns the flat list of outputs.
@@ -145,7 +164,8 @@ class Compiled:
         Returns:
           One ``ShardedArray`` per output, laid out as ``output_shardings``;
           on GPU they are returned before the devices finish (each carries
-          per-device ready events).
+          per-device ready events, or none when the work is ordered on the
+          caller's current streams, as CUDA-graph replays are).
         Raises:
           ValueError: wrong number of arguments, or an argument whose shape,
             dtype, mesh or sharding differs from the compiled one (a sharding
@@ -160,20 +180,23 @@ class Compiled:
         if len(args) != len(specs):
             raise ValueError(f"{self.name}: expected {len(specs)} array arguments, got {len(args)}")
         arrays = list(args)
-        buffers = []
-        events = None
         for i, (spec, a) in enumerate(zip(specs, arrays, strict=True)):
             if (type(a) is not ShardedArray or a._deleted_reason is not None or a._dtype is not spec.dtype
                     or (a._sharding is not spec.sharding and a._sharding != spec.sharding) or a._shape != spec.shape):
-                a = arrays[i] = self._bind_slow(spec, a)
-            buffers.append(a._buffers)
+                arrays[i] = self._bind_slow(spec, a)
+        return self._execute(args, arrays, start)
+
+    def _execute(self, args: Sequence, arrays: Sequence[ShardedArray], start: float) -> list[ShardedArray]:
+        """Run on ``arrays`` (checked, laid out as compiled; ``args`` as the caller passed them)."""
+        buffers = [a._buffers for a in arrays]
+        events = None
+        for a in arrays:
             if a._ready_events is not None:
-                events = True
-        if events:
-            events = [a._ready_events or self._no_events for a in arrays]
+                events = [a._ready_events or self._no_events for a in arrays]
+                break
         if self._donated:
             self._check_donation(args, arrays)
-        out_buffers, ready = self.executable.run(buffers, events, self._donated)
+        out_buffers, ready = self._run(buffers, events, self._donated)
         if self._donated:
             self._kill_donated(args, arrays)
         if ready[0] is None:

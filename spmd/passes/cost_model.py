@@ -84,14 +84,16 @@ class MachineProfile:
             raise ValueError(f"profile JSON does not match MachineProfile: {e}") from None
 
 
-# 2×H200 over NVLink (NV18), see /work/shared/ANCHORS.md and docs: bf16 GEMM ~790 TFLOP/s,
-# copy-engine peer copy ~394 GB/s one way and ~395 GB/s in total both ways, NCCL
-# all-gather ~230 GB/s each way, ~20 µs per launch, ~9 µs per event record + wait.
+# 2×H200 over NVLink (NV18), see /work/shared/ANCHORS.md and docs: bf16 GEMM ~790 TFLOP/s
+# (the half-size partial GEMMs of 8192x8192x28672 ran at ~800), copy-engine peer copy
+# 378 GB/s one way and 738 GB/s in total both ways at once (256 MiB, two streams; measured
+# with benchmarks/probe/cm_probe.py), NCCL all-gather / reduce-scatter ~230 GB/s each way,
+# ~20 µs per launch, ~9 µs per event record + wait.
 H200_NVLINK = MachineProfile(
     device_name="NVIDIA H200 (NVLink)",
     gemm_tflops={"bf16": 790.0, "f16": 790.0, "f32": 400.0},
-    link_gbps_unidirectional=394.0,
-    link_gbps_bidirectional=395.0,
+    link_gbps_unidirectional=378.0,
+    link_gbps_bidirectional=738.0,
     collective_gbps=230.0,
     per_step_overhead_us=10.0,
 )
@@ -165,7 +167,7 @@ def _windowed_us(gemms, p, dtype, prof, chunk_bytes, add_bytes, bidirectional, s
     halves = 2 if bidirectional else 1
     concurrent = min(streams, halves * p)
     step_compute = _gemms_us(gemms, 1.0 / (p * halves), concurrent, dtype, prof) * halves
-    step_compute += halves * add_bytes / (prof.hbm_gbps * 1e3)
+    step_compute += add_bytes / (prof.hbm_gbps * 1e3)
     transfer = chunk_bytes / (_ring_rate_gbps(p, bidirectional, prof) * 1e3)
     launches = halves * (len(gemms) + 1)
     host = launches * prof.launch_us + (halves * 2 + (streams > 1)) * prof.event_us
@@ -225,8 +227,9 @@ def decide(
     # slower on H200 (reduce-scatter 8192x8192x28672: 1.66x vs 1.16x of the limit).
     for name, bi in (("uni", False), ("bi", True)):
         # reduce-scatter: uni adds the received accumulator in a separate pass (read 2, write 1);
-        # bi accumulates with addmm into the result rows (copy the received rows: read 1, write 1)
-        add_bytes = 0.0 if collective == "all-gather" else (2.0 if bi else 3.0) * chunk_bytes
+        # bi accumulates with addmm into the result rows, which first copies the received rows
+        # (read 1, write 1) and measured as slow as the add (0.15 vs 0.16 ms of 2x235 MB, H200)
+        add_bytes = 0.0 if collective == "all-gather" else 3.0 * chunk_bytes
         best[name] = (_windowed_us(gemms, p, dtype, profile, chunk_bytes, add_bytes, bi, 1), 1)
     pick = "uni" if best["uni"][0] <= best["bi"][0] else "bi"
     decompose = best[pick][0] < serial * (1.0 - margin)

@@ -28,21 +28,23 @@ Argument binding (no allocation during capture: inputs are bound before it):
 - Donation is accepted and ignored: outputs never alias arguments (the caller still gives
   a donated buffer up; the runner never writes into it).
 
-Outputs and the aliasing rule (``GraphOptions.outputs``):
+Outputs and the aliasing rule (``GraphOptions.outputs``). Replayed outputs are ordered on the
+caller's current stream of each device, like the outputs of eager PyTorch ops, and carry no
+ready events (``graphs_cuda`` says how):
 
-- ``"clone"`` (default): each call returns fresh tensors, copied from the graph's static
-  outputs on the executable's main stream of each device right after the replay, exactly
-  like eager outputs: the caching allocator's stream semantics (``record_stream``) hold.
-  Static outputs never leave the runner, so a replay can never overwrite a held output.
-- ``"rotate"``: up to ``max_output_sets`` graphs are captured, each with its own static
-  outputs; a call returns (aliases of) one set's static outputs without any copy. A set is
-  replayed again only when no tensor or view of its outputs is alive outside the runner
-  (storage use counts); when every set is held, the call runs eagerly (counter
-  ``cuda_graphs.eager_call.outputs_held``). The caller must order every reader of an output
-  on the stream current at the next call (or wait for it) before dropping the last
-  reference: a reader on another stream that is still running could see a later replay's
-  values. Every output that would alias an argument, a persistent constant or the arena is
-  copied inside the graph, so outputs are always graph-owned memory.
+- ``"rotate"`` (default): up to ``max_output_sets`` graphs are captured, each with its own
+  static outputs; a call returns (aliases of) one set's static outputs without any copy. A set
+  is replayed again only when no tensor or view of its outputs is alive outside the runner
+  (storage use counts, a few hundred ns per output and device); when every set is held, the
+  call replays a private set and returns clones (counter
+  ``cuda_graphs.clone_call.outputs_held``). As with PyTorch's caching allocator, where freed
+  memory is reused on its allocation stream, a reader of an output on a stream other than the
+  caller's must be ordered before the caller's stream (or waited for) before the last
+  reference is dropped: a later replay may then overwrite the memory. Every output that would
+  alias an argument, a persistent constant or the arena is copied inside the graph, so outputs
+  are always graph-owned memory.
+- ``"clone"``: each call returns fresh tensors, copied from a private set's static outputs on
+  the caller's streams right after the replay; static outputs never leave the runner.
 
 Fallbacks: where capture is impossible (a CPU mesh, one process per device, a PyTorch
 without the graph API, an op that cannot be captured), execution is eager; the reason is
@@ -78,9 +80,10 @@ class GraphOptions:
     """How a ``GraphRunner`` hands out outputs and captures.
 
     Fields:
-      outputs: "clone" (fresh output tensors per call) or "rotate" (static output sets, see
-        the module docstring for the aliasing rule).
-      max_output_sets: most graphs captured for "rotate" (>= 1; "clone" uses one).
+      outputs: "rotate" (static output sets handed out, the default) or "clone" (fresh output
+        tensors per call); see the module docstring for the aliasing rule.
+      max_output_sets: most graphs captured for "rotate" (>= 1), besides the private set that
+        "clone" (and "rotate" when every set is held) replays.
       capture_error_mode: ``cudaStreamCaptureMode`` of the capture: "thread_local" (default:
         unsafe CUDA calls of this thread invalidate the capture, other threads are free),
         "global" or "relaxed".
@@ -88,7 +91,7 @@ class GraphOptions:
       ValueError: an unknown ``outputs`` or ``capture_error_mode``, or ``max_output_sets`` < 1.
     """
 
-    outputs: str = "clone"
+    outputs: str = "rotate"
     max_output_sets: int = 3
     capture_error_mode: str = "thread_local"
 
@@ -200,7 +203,7 @@ class _Binding:
 
 
 class _OutputSet:
-    """One captured graph and the liveness of its static outputs (for "rotate")."""
+    """One captured graph and the liveness of its static outputs (tracked for "rotate")."""
 
     def __init__(self, captured: Any, track: bool) -> None:
         self.captured = captured
@@ -209,12 +212,20 @@ class _OutputSet:
         if track:
             from torch.multiprocessing.reductions import StorageWeakRef
 
-            self.refs = [StorageWeakRef(t.untyped_storage()) for per in captured.outputs for t in per]
-            self.baseline = [torch._C._storage_Use_Count(r.cdata) for r in self.refs]
+            self.refs = [StorageWeakRef(t.untyped_storage()).cdata for per in captured.outputs for t in per]
+            self.baseline = [_use_count(r) for r in self.refs]
 
     def free(self) -> bool:
         """No tensor or view of the static outputs is alive outside the runner."""
-        return all(torch._C._storage_Use_Count(r.cdata) <= b for r, b in zip(self.refs, self.baseline, strict=True))
+        for r, b in zip(self.refs, self.baseline):
+            if _use_count(r) > b:
+                return False
+        return True
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_REPLAY = metrics.counter("cuda_graphs.replay")
+_HELD = metrics.counter("cuda_graphs.clone_call.outputs_held")
 
 
 class GraphRunner:
@@ -241,14 +252,20 @@ class GraphRunner:
 
             backend = CudaGraphBackend(executable, options.capture_error_mode)
         self.backend = backend
-        self._rotate = options.outputs == "rotate" and hasattr(torch._C, "_storage_Use_Count")
+        self._rotate = options.outputs == "rotate" and _use_count is not None
         self._lock = threading.Lock()
         self._calls = 0
         self._warm_ptrs: list[tuple] = []
         self._warm_threads: set[int] = set()
         self._bound: list[_Binding] = []
+        self._adopted: list[tuple[int, _Binding]] = []
+        self._staged: list[tuple[int, _Binding]] = []
         self._sets: list[_OutputSet] = []
+        self._private: _OutputSet | None = None
         self._next = 0
+        n = len(executable.devices)
+        self._no_ready: list[list[Any]] = [[] for _ in range(n)]
+        self._no_copies: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(n)]
         self.disabled_reason: str | None = None
         self.disabled_detail = ""
         self._finalizer = weakref.finalize(self, backend.close)
@@ -261,8 +278,8 @@ class GraphRunner:
 
     @property
     def num_captures(self) -> int:
-        """Graphs held now (one per output set)."""
-        return len(self._sets)
+        """Graphs held now (one per output set, plus the private set of "clone")."""
+        return len(self._sets) + (self._private is not None)
 
     def input_buffers(self) -> list[list[Tensor] | None]:
         """Per parameter, the static buffers (per device) a call copies into, or None if adopted.
@@ -277,7 +294,9 @@ class GraphRunner:
             donated: frozenset[int] = frozenset(), trace: Any = None) -> tuple[list[list[Tensor]], list[Any]]:
         """Execute once; same arguments, results and errors as ``Executable.run``.
 
-        A call with ``trace`` runs eagerly (per-thunk timing needs eager issue).
+        A call with ``trace`` runs eagerly (per-thunk timing needs eager issue). Replayed
+        outputs carry no ready events (``[None] * devices``): they are ordered on the caller's
+        current stream of each device (see ``graphs_cuda``).
         """
         ex = self.executable
         if trace is not None or self.disabled_reason is not None:
@@ -285,7 +304,19 @@ class GraphRunner:
                 metrics.counter("cuda_graphs.eager_call.trace").inc()
             return ex.run(args, arg_ready, donated, trace)
         ex._check_args(args)
+        return self.run_checked(args, arg_ready, donated)
+
+    def run_checked(self, args: Sequence[Sequence[Tensor]], arg_ready: Sequence[Any] | None = None,
+                    donated: frozenset[int] = frozenset()) -> tuple[list[list[Tensor]], list[Any]]:
+        """``run`` without checking ``args`` against the parameters (no trace).
+
+        For callers that already guarantee one tensor per local device of each parameter's
+        padded shard shape and dtype (``Compiled`` does, from its checked ``ShardedArray``s).
+        """
+        ex = self.executable
         with self._lock:
+            if self.disabled_reason is not None:
+                return ex.run(args, arg_ready, donated)
             self._calls += 1
             if self._calls == 1:
                 self._warm_ptrs = [_ptrs(per) for per in args]
@@ -294,18 +325,14 @@ class GraphRunner:
                 return ex.run(args, arg_ready, donated)
             try:
                 self._rebind(args, donated)
-                out_set = self._select(args, arg_ready)
+                out_set, clone = self._select(args, arg_ready)
             except CaptureError as e:
                 self._disable("capture_error", f"{type(e.__cause__).__name__}: {e.__cause__}")
                 return ex.run(args, arg_ready, donated)
-            if out_set is None:
-                metrics.counter("cuda_graphs.eager_call.outputs_held").inc()
-                _log_once("outputs_held", "cuda graphs: every output set is still held by the caller; "
-                                          "running eagerly (raise GraphOptions.max_output_sets or drop outputs)")
-                return ex.run(args, arg_ready, donated)
-            metrics.counter("cuda_graphs.replay").inc()
-            ready = _ready_per_device(arg_ready, len(ex.devices))
-            return self.backend.launch(out_set.captured, self._copies(args), ready, not self._rotate)
+            _REPLAY.inc()
+            ready = self._no_ready if arg_ready is None else _ready_per_device(arg_ready, len(self._no_ready))
+            copies = self._copies(args) if self._staged else self._no_copies
+            return self.backend.launch(out_set.captured, copies, ready, clone)
 
     def close(self) -> None:
         """Wait for the devices, drop every graph and static buffer, release the memory pools.
@@ -315,60 +342,66 @@ class GraphRunner:
         with self._lock:
             self.backend.synchronize()
             self._drop_sets()
-            self._bound = []
-            self._finalizer()
-            self._finalizer = weakref.finalize(self, self.backend.close)
+            self._set_bound([])
 
     # ------------------------------------------------------------------ binding
+    def _set_bound(self, bound: list[_Binding]) -> None:
+        self._bound = bound
+        self._adopted = [(i, b) for i, b in enumerate(bound) if b.adopted]
+        self._staged = [(i, b) for i, b in enumerate(bound) if not b.adopted]
+
     def _rebind(self, args: Sequence[Sequence[Tensor]], donated: frozenset[int]) -> None:
         if not self._bound:
-            self._bound = [self._initial(i, per, donated) for i, per in enumerate(args)]
+            self._set_bound([self._initial(i, per, donated) for i, per in enumerate(args)])
             return
-        moved = [i for i, b in enumerate(self._bound) if b.adopted and _ptrs(args[i]) != b.ptrs]
+        moved = [i for i, b in self._adopted if not _same(args[i], b)]
         if not moved:
             return
         self.backend.synchronize()
         self._drop_sets()
+        bound = list(self._bound)
         for i in moved:
-            self._bound[i] = _staged(args[i])
+            bound[i] = _staged_binding(args[i])
+        self._set_bound(bound)
         metrics.counter("cuda_graphs.recapture").inc()
 
     def _initial(self, i: int, per: Sequence[Tensor], donated: frozenset[int]) -> _Binding:
         ptrs = _ptrs(per)
         if i not in donated and ptrs == self._warm_ptrs[i]:
             return _Binding(True, list(per), ptrs)
-        return _staged(per)
+        return _staged_binding(per)
 
     def _copies(self, args: Sequence[Sequence[Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
-        n = len(self.executable.devices)
-        copies: list[list[tuple[Tensor, Tensor]]] = [[] for _ in range(n)]
-        for b, per in zip(self._bound, args, strict=True):
-            if b.adopted:
-                continue
-            for k, (dst, src) in enumerate(zip(b.tensors, per, strict=True)):
-                if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+        copies: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self._no_copies]
+        for i, b in self._staged:
+            for k, (dst, src) in enumerate(zip(b.tensors, args[i])):
+                if src is not dst and (src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride()):
                     copies[k].append((dst, src))
         return copies
 
     # ------------------------------------------------------------------ output sets
-    def _select(self, args: Sequence[Sequence[Tensor]], arg_ready: Any) -> _OutputSet | None:
-        if not self._rotate:
-            if not self._sets:
-                self._capture(args, arg_ready)
-            return self._sets[0]
-        n = len(self._sets)
-        for j in range(n):
-            idx = (self._next + j) % n
-            if self._sets[idx].free():
-                self._next = (idx + 1) % n
-                return self._sets[idx]
-        if n < self.options.max_output_sets:
-            self._capture(args, arg_ready)
-            self._next = 0
-            return self._sets[-1]
-        return None
+    def _select(self, args: Sequence[Sequence[Tensor]], arg_ready: Any) -> tuple[_OutputSet, bool]:
+        """The set to replay, and whether its outputs are cloned (the private set) or handed out."""
+        if self._rotate:
+            sets = self._sets
+            n = len(sets)
+            for j in range(n):
+                idx = (self._next + j) % n
+                if sets[idx].free():
+                    self._next = (idx + 1) % n
+                    return sets[idx], False
+            if n < self.options.max_output_sets:
+                sets.append(self._capture(args, arg_ready))
+                self._next = 0
+                return sets[-1], False
+            _HELD.inc()
+            _log_once("outputs_held", "cuda graphs: every output set is still held by the caller; "
+                                      "cloning outputs (raise GraphOptions.max_output_sets or drop outputs)")
+        if self._private is None:
+            self._private = self._capture(args, arg_ready)
+        return self._private, True
 
-    def _capture(self, args: Sequence[Sequence[Tensor]], arg_ready: Any) -> None:
+    def _capture(self, args: Sequence[Sequence[Tensor]], arg_ready: Any) -> _OutputSet:
         if threading.get_ident() not in self._warm_threads:
             # cuBLAS handles and workspaces are per thread: warm this thread up on real arguments
             self.executable.run(args, arg_ready)
@@ -380,13 +413,16 @@ class GraphRunner:
         except Exception as e:  # noqa: BLE001 - any failure of capture means eager execution
             raise CaptureError(str(e)) from e
         metrics.counter("cuda_graphs.capture").inc()
-        self._sets.append(_OutputSet(captured, self._rotate))
+        return _OutputSet(captured, self._rotate)
 
     def _drop_sets(self) -> None:
+        """Drop every graph (the caller has synchronized); the backend then takes a fresh pool."""
         for s in self._sets:
             s.captured.close()
-        self._sets = []
-        self._next = 0
+        if self._private is not None:
+            self._private.captured.close()
+        self._sets, self._private, self._next = [], None, 0
+        self.backend.close()
 
     def _disable(self, reason: str, detail: str) -> None:
         self.disabled_reason, self.disabled_detail = reason, detail
@@ -397,11 +433,19 @@ class GraphRunner:
             record_fallback(reason, detail)
 
 
+def _same(per: Sequence[Tensor], b: _Binding) -> bool:
+    """Whether ``per`` still is the adopted binding: the same tensors, or the same addresses."""
+    for t, u in zip(per, b.tensors):
+        if t is not u:
+            return _ptrs(per) == b.ptrs
+    return True
+
+
 def _ptrs(per: Sequence[Tensor]) -> tuple:
     return tuple((t.data_ptr(), t.stride()) for t in per)
 
 
-def _staged(per: Sequence[Tensor]) -> _Binding:
+def _staged_binding(per: Sequence[Tensor]) -> _Binding:
     bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in per]
     return _Binding(False, bufs, _ptrs(bufs))
 

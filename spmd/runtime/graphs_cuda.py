@@ -21,11 +21,15 @@ Those pools stay referenced (never ``_cuda_releasePool``-d) until the backend is
 blocks the graphs use are never handed to other tensors or returned to the driver. Static
 inputs, the temp arena and persistent constants are allocated before capture and held.
 
-Per call (``launch``): on each device, the executable's main stream waits for the caller's
-current stream and the arguments' ready events, copies staged arguments into the static
-inputs (after the previous replay is done with them), and the launch stream waits for it;
-then one replay; then, in "clone" mode, each device's main stream waits for the replay and
-copies the outputs into fresh tensors, and a ready event per device is recorded there.
+Per call (``launch``), on the caller's current stream of every device and nothing else (no
+stream or device switch): each device waits for the arguments' ready events and copies staged
+arguments into the static inputs; every device other than 0 records one event that device 0's
+stream waits for; device 0's stream replays the graph; one event recorded after the replay is
+waited for by every other device's stream; "clone" mode then copies the outputs into fresh
+tensors there. For 2 devices that is 2 event records, 2 waits and 1 launch. The outputs are
+thus ordered on the caller's streams like the outputs of eager PyTorch ops and carry no ready
+events. Replays never overlap: they are issued in order on device 0's stream, and when the
+caller's streams change the new ones first wait for everything issued on the old ones.
 """
 
 from __future__ import annotations
@@ -106,8 +110,15 @@ class CudaGraphBackend:
         self._pool_refs: list[int] = []
         self._held = False
         self._views: list[list[Tensor]] | None = None
-        self._done = torch.cuda.Event()
-        self._done_recorded = False
+        self._indices = [env.device.index for env in self.envs]
+        self._joins: list[Any] = []
+        for env in self.envs:
+            with torch.cuda.device(env.device):
+                self._joins.append(torch.cuda.Event())
+        self._done = self._joins[0]
+        self._no_ready = [None] * len(self.envs)
+        self._key: tuple | None = None
+        self._streams: list[Any] | None = None
 
     def synchronize(self) -> None:
         """Wait for all work of every local device."""
@@ -234,78 +245,88 @@ class CudaGraphBackend:
                ready: list[list[Any]], clone: bool) -> tuple[list[list[Tensor]], list[Any]]:
         """Order after the caller, copy staged arguments in, replay, hand out the outputs.
 
+        Everything is issued on the caller's current stream of each device (no stream or
+        device switch): device 0's stream launches the graph, every other device's stream is
+        joined to it before (one event) and after (one shared event) the replay. The outputs
+        are therefore ordered on the caller's current streams, exactly like the outputs of
+        eager PyTorch ops, and need no ready events.
+
         Args:
           captured: the graph to replay.
           copies: per device, (static buffer, argument) pairs to copy before the replay.
-          ready: per device, events the arguments wait for.
+          ready: per device, events the arguments wait for (their sources also get
+            ``record_stream`` on the caller's stream, as they were made on another stream).
           clone: return fresh copies of the static outputs (else aliases of them).
         Returns:
-          ``(outputs[j][k], ready_event per device)`` as ``Executable.run``.
+          ``(outputs[j][k], [None] * devices)``.
         """
-        envs = self.envs
-        launch = envs[0].main
-        device_index = torch.cuda.current_device()
-        callers = [torch.cuda.current_stream(env.device) for env in envs]
-        try:
-            for k, env in enumerate(envs):
-                stage = env.main
-                env.caller.record(callers[k])
-                stage.wait_event(env.caller)
-                for ev in ready[k]:
-                    stage.wait_event(ev)
-                if copies[k]:
-                    if k and self._done_recorded:
-                        stage.wait_event(self._done)  # the last replay has read the static inputs
-                    torch.cuda.set_stream(stage)
-                    _copy_in(copies[k], stage)
-                if k:
-                    env.fork.record(stage)
-                    launch.wait_event(env.fork)
-            torch.cuda.set_stream(launch)
-            captured.replay()
-            self._done.record(launch)
-            self._done_recorded = True
-            if clone:
-                return self._clone_out(captured.outputs)
-            done = torch.cuda.Event()
-            done.record(launch)
-            return [[t.detach() for t in per] for per in captured.outputs], [done] * len(envs)
-        finally:
-            st.restore(callers, device_index)
-
-    def _clone_out(self, outputs: list[list[Tensor]]) -> tuple[list[list[Tensor]], list[Any]]:
-        """Fresh copies of the static outputs, made on each device's main stream after the replay."""
-        out: list[list[Any]] = [[None] * len(self.envs) for _ in outputs]
-        ready = []
-        for k, env in enumerate(self.envs):
-            stage = env.main
+        streams = self._caller_streams()
+        s0 = streams[0]
+        joins = self._joins
+        for k in range(len(streams)):
+            sk = streams[k]
+            for ev in ready[k]:
+                _wait(ev, sk)
+            if copies[k]:
+                _copy_in(copies[k], sk if ready[k] else None)
             if k:
-                stage.wait_event(self._done)
-            torch.cuda.set_stream(stage)
-            for j, per in enumerate(outputs):
-                out[j][k] = per[k].clone()
+                _record(joins[k], sk)
+                _wait(joins[k], s0)
+        captured.graph.replay()
+        if len(streams) > 1:
+            _record(self._done, s0)
+            for sk in streams[1:]:
+                _wait(self._done, sk)
+        if clone:
+            outs = [[t.clone() for t in per] for per in captured.outputs]
+        else:
+            outs = [[t.detach() for t in per] for per in captured.outputs]
+        return outs, self._no_ready
+
+    def _caller_streams(self) -> list[Any]:
+        """The caller's current stream per device; ordered after the streams of the last launch.
+
+        A graph's replays must not overlap (they share static inputs, outputs and the
+        arena): when the caller's streams change, the new streams wait for everything
+        issued so far on the old ones (the first launch: on the executable's main streams).
+        """
+        key = tuple(_stream_key(i) for i in self._indices)
+        if key == self._key:
+            return self._streams
+        new = [torch.cuda.current_stream(env.device) for env in self.envs]
+        old = self._streams if self._streams is not None else [env.main for env in self.envs]
+        for s in old:
             ev = torch.cuda.Event()
-            ev.record(stage)
-            ready.append(ev)
-        return out, ready
+            _record(ev, s)
+            for t in new:
+                if t != s:
+                    _wait(ev, t)
+        self._key, self._streams = key, new
+        return new
 
     def close(self) -> None:
         """Release the pool references, give the arena back; later captures use a new pool.
 
-        A released pool id may not be captured into again (PyTorch asserts its use count),
-        hence the new id.
+        Called whenever the runner has dropped every graph (``GraphRunner.close``, a
+        recapture, a disable). A pool whose graphs are all reset may not be captured into
+        again: since PyTorch 2.10 ``CUDAGraph`` also registers its pool with the pinned host
+        allocator, whose entry asserts ``use_count > 0`` on reuse. So a new pool id is taken
+        even when releasing the old one fails.
         """
         try:
             for d in self._pool_refs:
-                torch._C._cuda_releasePool(d, self.pool)
+                with contextlib.suppress(Exception):  # may run from a finalizer at interpreter exit
+                    torch._C._cuda_releasePool(d, self.pool)
+        finally:
             self._pool_refs = []
             self._held = False
-            self.pool = torch.cuda.graph_pool_handle()
+            self._key, self._streams = None, None
+            with contextlib.suppress(Exception):
+                self.pool = torch.cuda.graph_pool_handle()
             if self._views is not None:
-                self.ex._arenas.release(self._views)
+                with contextlib.suppress(Exception):
+                    self.ex._arenas.release(self._views)
                 self._views = None
-        except Exception:  # noqa: BLE001 - may run from a finalizer at interpreter exit
-            pass
 
 
 def _run_segment(thunks: Sequence[Any], vals: list, views: list, env: Any) -> None:
@@ -321,12 +342,28 @@ def _run_segment(thunks: Sequence[Any], vals: list, views: list, env: Any) -> No
 
 
 def _copy_in(pairs: list[tuple[Tensor, Tensor]], stream: Any) -> None:
-    """Copy each argument into its static buffer on ``stream`` (the current stream)."""
+    """Copy each argument into its static buffer on its device's current stream.
+
+    With ``stream`` (arguments made on another stream, e.g. by an eager call), each source
+    is also marked used on it (``record_stream``), so its memory is not reused before the copy.
+    """
     dst = [d for d, _ in pairs]
     src = [s for _, s in pairs]
     torch._foreach_copy_(dst, src)
-    for s in src:
-        s.record_stream(stream)
+    if stream is not None:
+        for s in src:
+            s.record_stream(stream)
+
+
+def _stream_key(index: int) -> Any:
+    """A cheap identity of the current stream of device ``index``."""
+    return _get_current_stream(index)
+
+
+_get_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None) or torch.cuda.current_stream
+_EventBase = getattr(torch._C, "_CudaEventBase", None)  # the C methods skip a Python layer each
+_record = getattr(_EventBase, "record", None) or (lambda ev, stream: ev.record(stream))
+_wait = getattr(_EventBase, "wait", None) or (lambda ev, stream: ev.wait(stream))
 
 
 def _foreign_storages(static_args: list[list[Tensor]], templates: list[list[Any]],

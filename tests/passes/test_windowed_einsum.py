@@ -339,14 +339,17 @@ class GoldenTest(TestCase):
   %rs.cwrecv1 = f32[2,5] collective-permute(%d.cw0), source_target_pairs={{0,1},{1,0}}
   %rs.off0 = s32[] multiply(%pid.s32, %c4)
   %d.cwlhs1 = f32[2,6] dynamic-slice(%x, %rs.off0, %zero), dynamic_slice_sizes={2,6}
-  %d.cw1 = f32[2,5] dot(%d.cwlhs1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, backend_config={"windowed_einsum":1}
+  %d.cw1 = f32[2,5] dot(%d.cwlhs1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, backend_config={"windowed_einsum":1,"accumulate":true}
   %rs.cwacc1 = f32[2,5] add(%d.cw1, %rs.cwrecv1)
   %rs.ccwrecv1 = f32[2,5] collective-permute(%d.ccw0), source_target_pairs={{0,1},{1,0}}
   %rs.off0h = s32[] add(%rs.off0, %c2)
   %d.ccwlhs1 = f32[2,6] dynamic-slice(%x, %rs.off0h, %zero), dynamic_slice_sizes={2,6}
-  %d.ccw1 = f32[2,5] dot(%d.ccwlhs1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, backend_config={"windowed_einsum":1}
+  %d.ccw1 = f32[2,5] dot(%d.ccwlhs1, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, backend_config={"windowed_einsum":1,"accumulate":true}
   %rs.ccwacc1 = f32[2,5] add(%d.ccw1, %rs.ccwrecv1)
-  ROOT %rs = f32[4,5] concatenate(%rs.cwacc1, %rs.ccwacc1), dimensions={0}
+  %f32.0 = f32[] constant(0.0)
+  %rs.init = f32[4,5] broadcast(%f32.0), dimensions={}
+  %rs.cwout = f32[4,5] dynamic-update-slice(%rs.init, %rs.cwacc1, %zero, %zero)
+  ROOT %rs = f32[4,5] dynamic-update-slice(%rs.cwout, %rs.ccwacc1, %c2, %zero)
 }
 """)
 

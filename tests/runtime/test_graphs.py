@@ -152,7 +152,7 @@ def test_weights_adopted_activations_staged(mlp_prog):
 
 def test_new_weight_tensors_recapture_once(mlp_prog):
     compiled, (xs, w1s, w2s) = mlp_prog
-    r = _runner(compiled)
+    r = _runner(compiled, outputs="clone")
     w1, w2 = torch.randn(w1s), torch.randn(w2s)
     _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
     for _ in range(2):
@@ -227,10 +227,12 @@ def test_rotate_outputs_never_overwritten_while_held(mlp_prog, caplog):
     call()                       # warm-up (eager)
     held = [call(), call()]      # two sets captured, both held
     assert r.num_captures == 2
+    replays = _counter("cuda_graphs.replay")
     with caplog.at_level(logging.WARNING, logger="spmd"):
-        held.append(call())      # no free set: eager
+        held.append(call())      # no free set: the private set is replayed, its outputs cloned
         held.append(call())
-    assert _counter("cuda_graphs.eager_call.outputs_held") == 2
+    assert _counter("cuda_graphs.clone_call.outputs_held") == 2
+    assert _counter("cuda_graphs.replay") == replays + 2 and r.num_captures == 3
     assert sum("still held" in rec.getMessage() for rec in caplog.records) == 1
     for x, out in held:
         torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
@@ -238,14 +240,15 @@ def test_rotate_outputs_never_overwritten_while_held(mlp_prog, caplog):
     view = held[0][1][0][1][1:]
     held = held[1:]
     x, out = call()
-    assert _counter("cuda_graphs.eager_call.outputs_held") == 3
+    assert _counter("cuda_graphs.clone_call.outputs_held") == 3
     del view, held, out
     replays = _counter("cuda_graphs.replay")
     for _ in range(4):
         x, out = call()
         torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
     assert _counter("cuda_graphs.replay") == replays + 4
-    assert r.num_captures == 2
+    assert _counter("cuda_graphs.clone_call.outputs_held") == 3
+    assert r.num_captures == 3
 
 
 # ---------------------------------------------------------------------------- fallbacks
