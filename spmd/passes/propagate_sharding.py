@@ -46,19 +46,24 @@ class PropagateSharding:
 
     Attributes:
       max_sweeps: bound on forward+backward sweep pairs per phase.
+      dot_gather_discount: weight of the bytes of an all-gather feeding a dot, when choosing
+        which dot operand keeps a contested mesh axis (below 1 when a windowed einsum can hide
+        that all-gather behind the dot).
     Raises (from ``run``):
       ValueError: a user sharding names an axis the mesh lacks or has the wrong rank.
     """
 
     name: ClassVar[str] = "propagate-sharding"
     max_sweeps: int = 64
+    dot_gather_discount: float = 1.0
 
     def run(self, module: Module) -> Module:
         """Set ``sharding`` on every array-shaped entry instruction; returns ``module``."""
         if module.is_partitioned:
             raise ValueError(f"module {module.name!r}: expected an unpartitioned module")
         comp = module.entry
-        state = _State(module)
+        state = _State(module, self.dot_gather_discount)
+        state.hints = _constraint_hints(comp)
         for phase in range(2):
             for _ in range(self.max_sweeps):
                 changed = state.forward(comp.instructions)
@@ -73,11 +78,26 @@ class PropagateSharding:
         return module
 
 
+def _constraint_hints(comp) -> dict[int, TensorSharding]:
+    """Instruction -> the sharding a user constraint (a ``Sharding`` custom-call, its only user) wants.
+
+    A dot choosing its plan in the forward sweep then also weighs resharding its result to
+    what the user asked for (e.g. ``out_shardings``) — the all-to-all a plan would add later.
+    """
+    hints: dict[int, TensorSharding] = {}
+    for inst, users in comp.users().items():
+        if len(users) == 1 and users[0].opcode == "custom-call" and users[0].sharding is not None \
+                and users[0].attrs.get("custom_call_target") == "Sharding":
+            hints[id(inst)] = users[0].sharding
+    return hints
+
+
 class _State:
     """Known shardings plus the set of fixed (user) ones."""
 
-    def __init__(self, module: Module) -> None:
+    def __init__(self, module: Module, gather_discount: float = 1.0) -> None:
         self.mesh = module.mesh
+        self.gather_discount = gather_discount
         self.fixed: set[int] = set()
         for inst in module.entry.instructions:
             if inst.sharding is not None:
@@ -111,7 +131,8 @@ class _State:
                 continue
             if any(o.shape.is_tuple for o in inst.operands):
                 continue
-            p = plan(inst, [self.sharding(o) for o in inst.operands], None, self.mesh)
+            hint = self.hints.get(id(inst)) if inst.opcode == "dot" else None
+            p = plan(inst, [self.sharding(o) for o in inst.operands], hint, self.mesh, self.gather_discount)
             if p is not None:
                 changed |= self._set(inst, p.result)
         return changed
@@ -132,7 +153,7 @@ class _State:
             current = [self.sharding(o) for o in inst.operands]
             if all(c is not None for c in current):
                 continue
-            p = plan(inst, current, out, self.mesh)
+            p = plan(inst, current, out, self.mesh, self.gather_discount)
             for o, c, want in zip(inst.operands, current, p.operands, strict=False):
                 if c is None:
                     changed |= self._set(o, want.with_partial(()))

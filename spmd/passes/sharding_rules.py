@@ -63,11 +63,12 @@ def _p(s: TensorSharding | None) -> tuple[str, ...]:
 
 
 def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSharding | None,
-         mesh: MeshShape) -> Plan | None:
+         mesh: MeshShape, gather_discount: float = 1.0) -> Plan | None:
     """The local plan of ``inst`` (see the module docstring); None when nothing is known.
 
     ``current[k]`` is operand k's sharding or None; tuple-shaped operands are not handled
-    here (tuple and get-tuple-element are handled by the callers).
+    here (tuple and get-tuple-element are handled by the callers). ``gather_discount``
+    scales the cost of all-gathering a dot operand (< 1 when windowed einsum can hide it).
     """
     op = inst.opcode
     if not inst.operands:
@@ -78,6 +79,8 @@ def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSha
         return None
     if op in ELEMENTWISE_OPCODES:
         return _elementwise(inst, current, out, linear=_linear_operands(inst, current))
+    if op == "dot":
+        return _dot(inst, current, out, mesh, gather_discount)
     rule = _RULES.get(op)
     if rule is None:
         return Plan(tuple(TensorSharding.replicated(o.shape.rank) for o in inst.operands), _rep(inst))
@@ -269,25 +272,29 @@ def dot_dims(inst: Instruction):
     return lb, rb, lc, rc, lf, rf
 
 
-def _dot(inst, current, out, mesh) -> Plan:
+def _dot(inst, current, out, mesh, gather_discount: float = 1.0) -> Plan:
     """The cheapest of the dot plans that differ in which operand keeps a contested mesh axis.
 
     When the same axis shards a free dim of both operands (e.g. x split on rows and w on
     columns, both over ``tp``) only one can keep it; the other is all-gathered. As in GSPMD's
     dot handler, the candidates are costed by the bytes each device would receive to reshard
     the operands (and the result, when its wanted sharding is known), and the cheapest wins;
-    ties keep the lhs-first order.
+    ties keep the lhs-first order. An operand all-gather that a windowed einsum can overlap
+    with the dot itself counts ``gather_discount`` of its bytes.
     """
     candidates = [_dot_plan(inst, current, out, mesh, rhs_first) for rhs_first in (False, True)]
     if candidates[0] == candidates[1]:
         return candidates[0]
-    costs = [_plan_cost(inst, current, out, p, mesh) for p in candidates]
+    costs = [_plan_cost(inst, current, out, p, mesh, gather_discount) for p in candidates]
     return candidates[1] if costs[1] < costs[0] else candidates[0]
 
 
-def _plan_cost(inst, current, out, p: Plan, mesh) -> float:
-    cost = sum(reshard_bytes(o.shape, c, w, mesh) for o, c, w in zip(inst.operands, current, p.operands, strict=False)
-               if c is not None)
+def _plan_cost(inst, current, out, p: Plan, mesh, gather_discount: float = 1.0) -> float:
+    cost = 0.0
+    for o, c, w in zip(inst.operands, current, p.operands, strict=False):
+        if c is not None:
+            only_gathers = c.partial == w.partial and all(set(b) <= set(a) for a, b in zip(c.dims, w.dims))
+            cost += reshard_bytes(o.shape, c, w, mesh) * (gather_discount if only_gathers else 1.0)
     if out is not None:
         cost += reshard_bytes(inst.shape, p.result, out, mesh)
     return cost

@@ -44,12 +44,14 @@ class SpmdPartition:
     """The spmd-partition pass (see the module docstring).
 
     ``run(module)`` returns a new module with ``is_partitioned=True``. Instructions without a
-    sharding get one from ``PropagateSharding`` first.
+    sharding get one from ``PropagateSharding`` first. ``dot_gather_discount`` scales the cost
+    of all-gathering a dot operand when choosing a dot's plan (see ``sharding_rules._dot``).
     Raises (from ``run``): ValueError for a partitioned input or one that already contains
     collectives, partition-id or async ops.
     """
 
     name: ClassVar[str] = "spmd-partition"
+    dot_gather_discount: float = 1.0
 
     def run(self, module: Module) -> Module:
         """Partition ``module`` (see the class docstring)."""
@@ -59,17 +61,18 @@ class SpmdPartition:
             if inst.opcode in _NOT_ALLOWED:
                 raise ValueError(f"%{inst.name}: opcode {inst.opcode!r} is not allowed before spmd-partition")
         if any(i.sharding is None and not i.shape.is_tuple for i in module.entry.instructions):
-            module = PropagateSharding().run(module)
+            module = PropagateSharding(dot_gather_discount=self.dot_gather_discount).run(module)
         entry = Computation(module.entry.name)
         out = Module(module.name, entry, list(module.computations), module.mesh, is_partitioned=True)
-        _Partitioner(out, module.entry).run()
+        _Partitioner(out, module.entry, self.dot_gather_discount).run()
         return out
 
 
 class _Partitioner:
     """Walks the global entry computation, emitting the local one."""
 
-    def __init__(self, out: Module, src: Computation) -> None:
+    def __init__(self, out: Module, src: Computation, gather_discount: float = 1.0) -> None:
+        self.gather_discount = gather_discount
         self.em = Emitter(out, out.entry)
         self.em._names |= {i.name for i in src.instructions}
         self.src = src
@@ -134,7 +137,7 @@ class _Partitioner:
             want = normalize(inst.sharding, self.mesh)
             return self._reshard(x, s, want, inst), want
         current = [self.values[id(o)][1] for o in inst.operands]
-        p = plan(inst, current, normalize(inst.sharding, self.mesh), self.mesh)
+        p = plan(inst, current, normalize(inst.sharding, self.mesh), self.mesh, self.gather_discount)
         ops = [self._reshard(self.values[id(o)][0], c, want, o)
                for o, c, want in zip(inst.operands, current, p.operands, strict=False)]
         handler = _HANDLERS.get(op, _Partitioner._generic)
