@@ -13,10 +13,12 @@ events and a consumer waits for them on the device, never on the host).
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,6 +31,9 @@ from spmd.sharding import NamedSharding
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 _EXECUTE = metrics.timer("execute")
+_META = operator.attrgetter("_dtype", "_sharding", "_shape", "_deleted_reason")
+_BUFFERS = operator.attrgetter("_buffers")
+_READY = operator.attrgetter("_ready_events")
 _DONATIONS = metrics.counter("donations")
 _OUTPUT_SHARDINGS = metrics.counter("output_shardings.computed")
 
@@ -87,6 +92,7 @@ class Compiled:
                                   strict=True))
         self._no_events = (None,) * len(self.mesh.devices)
         self._out_leaf = lowered.out_tree.is_leaf()
+        self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
         # a GraphRunner skips re-checking the buffers of arrays checked here
         self._run = getattr(executable, "run_checked", executable.run)
 
@@ -143,14 +149,21 @@ class Compiled:
         """Run on positional ``ShardedArray``s that are exactly the flat inputs, live and laid out as
         compiled; returns the outputs' pytree, or None (nothing run) when any argument is not."""
         start = time.perf_counter()
-        for spec, a in zip(self.input_specs, args):
-            if type(a) is not ShardedArray or a._deleted_reason is not None or a._dtype is not spec.dtype \
-                    or a._shape != spec.shape:
+        try:
+            meta = list(map(_META, args))  # C-level: one tuple per argument, compared at once
+        except AttributeError:
+            return None
+        if meta != self._laid_out or not all(map(operator.is_, map(type, args), repeat(ShardedArray))):
+            if len(args) != len(self.input_specs):
                 return None
-            if a._sharding is not spec.sharding:
-                if a._sharding != spec.sharding:
+            for spec, a in zip(self.input_specs, args):
+                if type(a) is not ShardedArray or a._deleted_reason is not None or a._dtype is not spec.dtype \
+                        or a._shape != spec.shape:
                     return None
-                a._sharding = spec.sharding  # an equal value object: later calls match by identity
+                if a._sharding is not spec.sharding:
+                    if a._sharding != spec.sharding:
+                        return None
+                    a._sharding = spec.sharding  # an equal value object: later calls match by identity
         outs = self._execute(args, args, start)
         return outs[0] if self._out_leaf else pytree.tree_unflatten(outs, self.lowered.out_tree)
 
@@ -184,16 +197,16 @@ class Compiled:
             if (type(a) is not ShardedArray or a._deleted_reason is not None or a._dtype is not spec.dtype
                     or (a._sharding is not spec.sharding and a._sharding != spec.sharding) or a._shape != spec.shape):
                 arrays[i] = self._bind_slow(spec, a)
+            elif a._sharding is not spec.sharding:
+                a._sharding = spec.sharding  # an equal value object: later calls match by identity
         return self._execute(args, arrays, start)
 
     def _execute(self, args: Sequence, arrays: Sequence[ShardedArray], start: float) -> list[ShardedArray]:
         """Run on ``arrays`` (checked, laid out as compiled; ``args`` as the caller passed them)."""
-        buffers = [a._buffers for a in arrays]
+        buffers = list(map(_BUFFERS, arrays))
         events = None
-        for a in arrays:
-            if a._ready_events is not None:
-                events = [a._ready_events or self._no_events for a in arrays]
-                break
+        if any(map(_READY, arrays)):
+            events = [a._ready_events or self._no_events for a in arrays]
         if self._donated:
             self._check_donation(args, arrays)
         out_buffers, ready = self._run(buffers, events, self._donated)

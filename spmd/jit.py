@@ -98,11 +98,13 @@ class Jitted:
 
     def __call__(self, *args):
         fast = self._fast
-        if fast is not None and len(args) == fast[0]:
-            out = fast[1]._call_laid_out(args)
-            if out is not None:
-                _HIT.inc()
-                return out
+        if fast is not None:
+            leaves = _fast_leaves(args, fast[0])
+            if leaves is not None:
+                out = fast[1]._call_laid_out(leaves)
+                if out is not None:
+                    _HIT.inc()
+                    return out
         leaves, tree = pytree.tree_flatten(args)
         key = self._key(leaves, tree)
         compiled = self._cache.get(key)
@@ -112,11 +114,9 @@ class Jitted:
             self._cache[key] = compiled
         else:
             _HIT.inc()
-        if len(leaves) == len(args) and not compiled.lowered.static_leaves and all(
-                type(a) is ShardedArray and a._sharding == s for a, s in zip(args, compiled.input_shardings)):
-            # every argument is one array laid out as compiled: later calls with arrays of the
-            # same shapes, dtypes and shardings (the same cache key) skip flattening and the key
-            self._fast = (len(args), compiled)
+        template = _fast_template(args, leaves, compiled)
+        if template is not None:
+            self._fast = (template, compiled)
         return compiled._call_flat(leaves)
 
     def _key(self, leaves: list, tree) -> tuple:
@@ -194,3 +194,46 @@ def _as_named(spec, mesh: Mesh, what: str) -> NamedSharding | None:
         except ValueError as e:  # name the argument instead of NamedSharding's ``spec``
             raise ValueError(f"{what}: {str(e).removeprefix('spec: ')}") from None
     raise TypeError(f"{what}: expected a PartitionSpec, NamedSharding or None, got {type(spec).__name__}")
+
+
+def _fast_template(args: tuple, leaves: list, compiled: Compiled) -> tuple | None:
+    """The argument structure of the call fast path, or None when ``args`` do not qualify.
+
+    Per positional argument: None for one ``ShardedArray``, or the key tuple of a dict of
+    ``ShardedArray``s (one level, the order ``pytree`` flattens it in). Qualifying calls have
+    no static leaves and every array laid out as compiled, so a later call with the same
+    template whose arrays match the compiled shapes, dtypes and shardings has the same cache
+    key: it skips flattening, the key and the lookup (``_fast_leaves``).
+    """
+    if compiled.lowered.static_leaves:
+        return None
+    template: list = []
+    for a in args:
+        if type(a) is ShardedArray:
+            template.append(None)
+        elif type(a) is dict and all(type(v) is ShardedArray for v in a.values()):
+            template.append(tuple(a))
+        else:
+            return None
+    if len(leaves) != len(compiled.input_shardings) or any(
+            a._sharding != s for a, s in zip(leaves, compiled.input_shardings)):
+        return None
+    return tuple(template)
+
+
+def _fast_leaves(args: tuple, template: tuple) -> list | None:
+    """The flat leaves of ``args`` when they have ``template``'s structure, else None.
+
+    Leaves are not checked here (``Compiled._call_laid_out`` checks every one).
+    """
+    if len(args) != len(template):
+        return None
+    leaves: list = []
+    for a, keys in zip(args, template):
+        if keys is None:
+            leaves.append(a)
+        elif type(a) is dict and tuple(a) == keys:
+            leaves.extend(a.values())
+        else:
+            return None
+    return leaves

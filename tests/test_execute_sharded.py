@@ -228,10 +228,41 @@ def test_per_call_overhead_is_small():
     assert full - run < max(30e-6, run), (full, run)
 
 
+def test_ready_events_flow_from_inputs_to_the_runtime_and_to_outputs(mlp, monkeypatch):
+    """The plumbing of asynchronous dispatch, checked with stand-in events on CPU devices."""
+    _, c = mlp
+    host, arrays = _mlp_args()
+    seen = {}
+    real_run = c._run
+
+    class Event:
+        def __init__(self):
+            self.waited = False
+
+        def synchronize(self):
+            self.waited = True
+
+    def run(args, arg_ready=None, donated=frozenset(), trace=None):
+        seen["arg_ready"] = arg_ready
+        outs, _ = real_run(args, None, donated, trace)
+        return outs, [Event() for _ in range(4)]
+
+    monkeypatch.setattr(c, "_run", run)
+    (y,) = c.execute_sharded(arrays)
+    assert seen["arg_ready"] is None  # nothing to wait for
+    events = y._ready_events
+    assert len(events) == 4 and not any(e.waited for e in events)
+    (z,) = c.execute_sharded([y, arrays[1], arrays[2]])
+    assert seen["arg_ready"] == [events, (None,) * 4, (None,) * 4]  # the consumer waits on the device
+    assert not any(e.waited for e in events)
+    torch.testing.assert_close(z.to_torch(), _mlp(_mlp(*host), *host[1:]), rtol=1e-4, atol=1e-4)
+    assert all(e.waited for e in z._ready_events)  # to_torch waited for the devices
+
+
 # ------------------------------------------------------------ GPU
 
 
-def _gpu_chain():
+def _gpu_chain(cuda_graphs):
     mesh = Mesh.create(("x",), devices="cuda:2")
 
     def heavy(a, w):
@@ -239,42 +270,52 @@ def _gpu_chain():
             a = torch.tanh(a @ w)
         return a
 
-    f = spmd.jit(heavy, mesh=mesh, in_shardings=(P("x"), P()), out_shardings=P("x"))
-    return mesh, f
+    f = spmd.jit(heavy, mesh=mesh, in_shardings=(P("x"), P()), out_shardings=P("x"),
+                 options=spmd.CompileOptions(cuda_graphs=cuda_graphs))
+    a, w = torch.randn(8192, 2048), torch.randn(2048, 2048) / 2048 ** 0.5
+    return f, a, w, spmd.device_put(a, NamedSharding(mesh, P("x"))), spmd.device_put(w, NamedSharding(mesh, P()))
+
+
+def _finished(y) -> bool:
+    """Whether the devices finished computing ``y`` (its ready events, or the caller's streams
+    where a CUDA-graph replay ordered the work on them)."""
+    if y._ready_events is not None:
+        return all(ev.query() for ev in y._ready_events)
+    return all(torch.cuda.current_stream(d).query() for d in (0, 1))
+
+
+def _reference(a, w, steps):
+    ref, w = a.cuda(0), w.cuda(0)
+    for _ in range(steps):
+        ref = torch.tanh(ref @ w)
+    return ref.cpu()
 
 
 @pytest.mark.gpu(count=2)
-def test_gpu_call_returns_before_the_devices_finish():
-    mesh, f = _gpu_chain()
-    a, w = torch.randn(8192, 2048), torch.randn(2048, 2048) / 2048 ** 0.5
-    aa = spmd.device_put(a, NamedSharding(mesh, P("x")))
-    ww = spmd.device_put(w, NamedSharding(mesh, P()))
+@pytest.mark.parametrize("cuda_graphs", [False, None])
+def test_gpu_call_returns_before_the_devices_finish(cuda_graphs):
+    f, a, w, aa, ww = _gpu_chain(cuda_graphs)
     f(aa, ww).block_until_ready()  # compile and warm up
     torch.cuda.synchronize(0), torch.cuda.synchronize(1)
     y = f(aa, ww)
-    assert y._ready_events is not None and len(y._ready_events) == 2
-    assert not all(ev.query() for ev in y._ready_events)  # still running
+    if cuda_graphs is False:
+        assert y._ready_events is not None and len(y._ready_events) == 2
+    assert not _finished(y)  # still running
     y.block_until_ready()
-    assert all(ev.query() for ev in y._ready_events)
-    ref = a.cuda(0)
-    for _ in range(16):
-        ref = torch.tanh(ref @ w.cuda(0))
-    torch.testing.assert_close(y.to_torch(), ref.cpu(), rtol=1e-3, atol=1e-3)
+    assert _finished(y)
+    torch.testing.assert_close(y.to_torch(), _reference(a, w, 16), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu(count=2)
-def test_gpu_consumer_waits_on_the_device_not_the_host():
-    mesh, f = _gpu_chain()
-    a, w = torch.randn(8192, 2048), torch.randn(2048, 2048) / 2048 ** 0.5
-    aa = spmd.device_put(a, NamedSharding(mesh, P("x")))
-    ww = spmd.device_put(w, NamedSharding(mesh, P()))
+@pytest.mark.parametrize("cuda_graphs", [False, None])
+def test_gpu_consumer_waits_on_the_device_not_the_host(cuda_graphs):
+    f, a, w, aa, ww = _gpu_chain(cuda_graphs)
     f(f(aa, ww), ww).block_until_ready()
     torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+    waits = metrics.timer("wait_for_devices").total_samples
     y = f(aa, ww)
-    z = f(y, ww)  # enqueued behind y's ready events
-    assert not all(ev.query() for ev in y._ready_events)  # the host did not wait for y
-    ref = a.cuda(0)
-    for _ in range(32):
-        ref = torch.tanh(ref @ w.cuda(0))
-    torch.testing.assert_close(z.to_torch(), ref.cpu(), rtol=1e-3, atol=1e-3)
-    assert metrics.timer("wait_for_devices").total_samples > 0
+    z = f(y, ww)  # enqueued behind y on the devices
+    assert not _finished(y)  # the host did not wait for y
+    assert metrics.timer("wait_for_devices").total_samples == waits
+    torch.testing.assert_close(z.to_torch(), _reference(a, w, 32), rtol=1e-3, atol=1e-3)
+    assert metrics.timer("wait_for_devices").total_samples > waits

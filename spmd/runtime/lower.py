@@ -30,7 +30,7 @@ import torch
 
 from spmd.ir.hlo import Computation, Instruction, Module
 from spmd.runtime import fusions
-from spmd.runtime.donation import plan_donation
+from spmd.runtime.donation import _aliases, plan_donation
 from spmd.runtime.thunks import (
     CollectiveSpec,
     CollectiveThunk,
@@ -297,7 +297,13 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     _mark_views(lw, donated)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
-    clone = tuple(s in lw.folded or _in_arena(s, lw.ops, op_buffers) for s in output_slots)
+    # An output that may share memory with an undonated parameter is copied: outputs never alias
+    # the caller's inputs (a later donation or in-place update of the input would change them).
+    param_views = set()
+    for n, s in lw.param_slots.items():
+        if n not in donated:
+            param_views |= _aliases(lw.ops, s)
+    clone = tuple(s in lw.folded or s in param_views or _in_arena(s, lw.ops, op_buffers) for s in output_slots)
     plan = plan_donation(lw.ops, [lw.param_slots[i] for i in range(len(params))], output_slots, donated)
     for t, k in enumerate(sorted(plan)):
         op_buffers[k] = len(arena_views) + t
