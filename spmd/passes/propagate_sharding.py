@@ -81,8 +81,10 @@ class PropagateSharding:
 def _constraint_hints(comp) -> dict[int, TensorSharding]:
     """Instruction -> the sharding a user constraint (a ``Sharding`` custom-call, its only user) wants.
 
-    A dot choosing its plan in the forward sweep then also weighs resharding its result to
-    what the user asked for (e.g. ``out_shardings``) — the all-to-all a plan would add later.
+    The forward sweep then plans the op for what the user asked for (e.g. ``out_shardings``
+    or a sequence-parallel constraint): a dot weighs the all-to-all a plan would add later, and
+    a bias add after a row-parallel dot reduce-scatters its partial operand instead of
+    all-reducing it and slicing.
     """
     hints: dict[int, TensorSharding] = {}
     for inst, users in comp.users().items():
@@ -131,7 +133,7 @@ class _State:
                 continue
             if any(o.shape.is_tuple for o in inst.operands):
                 continue
-            hint = self.hints.get(id(inst)) if inst.opcode == "dot" else None
+            hint = self.hints.get(id(inst))
             p = plan(inst, [self.sharding(o) for o in inst.operands], hint, self.mesh, self.gather_discount)
             if p is not None:
                 changed |= self._set(inst, p.result)

@@ -78,6 +78,7 @@ class _Partitioner:
         self.src = src
         self.mesh = out.mesh
         self.values: dict[int, tuple[Instruction, object]] = {}
+        self.reshards: dict[tuple, Instruction] = {}
 
     def run(self) -> None:
         for inst in self.src.instructions:
@@ -94,7 +95,12 @@ class _Partitioner:
 
     # ------------------------------------------------------------------ helpers
     def _reshard(self, x: Instruction, src, dst, inst: Instruction) -> Instruction:
-        return reshard(self.em, x, src, dst, inst.shape.dims)
+        """``x`` resharded from ``src`` to ``dst``; one value is resharded once however many ops use it."""
+        key = (id(x), src, dst)
+        hit = self.reshards.get(key)
+        if hit is None:
+            hit = self.reshards[key] = reshard(self.em, x, src, dst, inst.shape.dims)
+        return hit
 
     def _final_tuple(self, root: Instruction, local: Instruction, shardings) -> Instruction:
         """A root tuple whose elements are not partial and carry their global sharding."""
