@@ -93,8 +93,7 @@ class Compiled:
         self._no_events = (None,) * len(self.mesh.devices)
         self._out_leaf = lowered.out_tree.is_leaf()
         self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
-        # a GraphRunner skips re-checking the buffers of arrays checked here
-        self._run = getattr(executable, "run_checked", executable.run)
+        self._run_for, self._run = None, None  # see _execute
 
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
@@ -209,6 +208,10 @@ class Compiled:
             events = [a._ready_events or self._no_events for a in arrays]
         if self._donated:
             self._check_donation(args, arrays)
+        ex = self.executable
+        if ex is not self._run_for:  # a GraphRunner skips re-checking the buffers of arrays checked here
+            self._run_for = ex
+            self._run = ex.run_checked if hasattr(type(ex), "run_checked") else ex.run
         out_buffers, ready = self._run(buffers, events, self._donated)
         if self._donated:
             self._kill_donated(args, arrays)

@@ -20,7 +20,9 @@ Argument binding (no allocation during capture: inputs are bound before it):
 - *adopted*: a parameter whose tensors had the same addresses and strides on the first two
   calls, and that is not donated (weights, caches passed again and again), is captured
   reading the caller's own tensors: no copy per call. The runner keeps a reference, so the
-  memory stays valid. If a later call passes other tensors for it, the parameter becomes
+  memory stays valid. Each call checks that the same tensor objects are passed (identity, in
+  C-level loops; other objects at the same addresses also match); a tensor re-pointed in place
+  (``set_``) is not noticed. If a later call passes other tensors for it, the parameter becomes
   staged and the graphs are captured again (counter ``cuda_graphs.recapture``).
 - *staged*: every other parameter gets a private static buffer per device, allocated once
   outside capture; each call copies the argument into it (one ``torch._foreach_copy_`` per
@@ -55,15 +57,18 @@ counted in ``spmd.metrics`` as ``cuda_graphs.fallback.<reason>`` and logged once
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
 
 from spmd import metrics
+from spmd.runtime.graphs_host import HostReplayBackend  # noqa: F401  (re-exported: tests, CPU debugging)
 
 Tensor = torch.Tensor
 logger = logging.getLogger("spmd")
@@ -217,10 +222,7 @@ class _OutputSet:
 
     def free(self) -> bool:
         """No tensor or view of the static outputs is alive outside the runner."""
-        for r, b in zip(self.refs, self.baseline):
-            if _use_count(r) > b:
-                return False
-        return True
+        return all(map(operator.le, map(_use_count, self.refs), self.baseline))
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -260,6 +262,8 @@ class GraphRunner:
         self._bound: list[_Binding] = []
         self._adopted: list[tuple[int, _Binding]] = []
         self._staged: list[tuple[int, _Binding]] = []
+        self._adopted_ids: list[int] = []
+        self._adopted_flat: list[Tensor] = []
         self._sets: list[_OutputSet] = []
         self._private: _OutputSet | None = None
         self._next = 0
@@ -342,6 +346,9 @@ class GraphRunner:
         with self._lock:
             self.backend.synchronize()
             self._drop_sets()
+            # the next capture adopts a parameter again only if it was adopted so far (the first
+            # call's addresses are stale: a staged argument may have been allocated there since)
+            self._warm_ptrs = [b.ptrs if b.adopted else None for b in self._bound] or self._warm_ptrs
             self._set_bound([])
 
     # ------------------------------------------------------------------ binding
@@ -349,11 +356,15 @@ class GraphRunner:
         self._bound = bound
         self._adopted = [(i, b) for i, b in enumerate(bound) if b.adopted]
         self._staged = [(i, b) for i, b in enumerate(bound) if not b.adopted]
+        self._adopted_ids = [i for i, _ in self._adopted]
+        self._adopted_flat = [t for _, b in self._adopted for t in b.tensors]
 
     def _rebind(self, args: Sequence[Sequence[Tensor]], donated: frozenset[int]) -> None:
         if not self._bound:
             self._set_bound([self._initial(i, per, donated) for i, per in enumerate(args)])
             return
+        if all(map(operator.is_, chain.from_iterable(map(args.__getitem__, self._adopted_ids)), self._adopted_flat)):
+            return  # the same tensor objects as captured (C-level loops: no Python per parameter)
         moved = [i for i, b in self._adopted if not _same(args[i], b)]
         if not moved:
             return
@@ -463,55 +474,3 @@ def _ready_per_device(arg_ready: Sequence[Any] | None, n: int) -> list[list[Any]
                 out[k].append(ev)
     return out
 
-
-# ---------------------------------------------------------------------------- host backend
-class _HostCaptured:
-    """A "graph" of ``HostReplayBackend``: re-issues the program, writes the static outputs."""
-
-    def __init__(self, executable: Any, static_args: list[list[Tensor]], outputs: list[list[Tensor]]) -> None:
-        self.executable, self.static_args, self.outputs = executable, static_args, outputs
-
-    def replay(self) -> None:
-        fresh, _ = self.executable.run(self.static_args)
-        for per_static, per_fresh in zip(self.outputs, fresh, strict=True):
-            for s, f in zip(per_static, per_fresh, strict=True):
-                s.copy_(f)
-
-    def close(self) -> None:
-        self.outputs = []
-
-
-class HostReplayBackend:
-    """A backend for CPU meshes with the binding and aliasing semantics of a CUDA graph.
-
-    "Capture" fixes static output buffers; "replay" runs the executable eagerly on the
-    static arguments (adopted tensors are read by reference, as a graph does) and writes
-    the results into the static outputs. It lets the runner's logic be tested and debugged
-    without a GPU; it saves no time.
-    """
-
-    def __init__(self, executable: Any) -> None:
-        self.executable = executable
-        self.num_launches = 0
-
-    def synchronize(self) -> None:
-        """Nothing to wait for on the host."""
-
-    def capture(self, static_args: list[list[Tensor]]) -> _HostCaptured:
-        """Static outputs shaped like one eager run's outputs."""
-        outs, _ = self.executable.run(static_args)
-        return _HostCaptured(self.executable, static_args, [[o.clone() for o in per] for per in outs])
-
-    def launch(self, captured: _HostCaptured, copies: list[list[tuple[Tensor, Tensor]]],
-               ready: list[list[Any]], clone: bool) -> tuple[list[list[Tensor]], list[Any]]:
-        """Copy staged arguments in, replay, hand out clones or aliases of the static outputs."""
-        for per in copies:
-            for dst, src in per:
-                dst.copy_(src)
-        captured.replay()
-        self.num_launches += 1
-        outs = [[t.clone() if clone else t.detach() for t in per] for per in captured.outputs]
-        return outs, [None] * len(self.executable.devices)
-
-    def close(self) -> None:
-        """Nothing to release."""

@@ -7,8 +7,8 @@ across devices too); the thunks are then issued exactly as the eager executor is
 kernels on their streams, record/wait-event thunks, NCCL collectives (``torch.cuda.nccl``) and
 peer copies (``Tensor.copy_`` across devices, which needs peer access enabled beforehand:
 ``CudaCommunicator`` does it) -- and every stream is joined back into the launch stream
-before the capture ends. A replay is one ``cudaGraphLaunch`` on the launch stream; the graph
-completes as a whole before later work of that stream starts.
+before the capture ends. A replay is one ``cudaGraphLaunch`` on any stream of device 0 (the
+caller's, see below); the graph completes as a whole before later work of that stream starts.
 
 Memory: nothing may be allocated by the ordinary caching allocator during capture, or the
 graph would use blocks that later calls reuse. ``torch.cuda.CUDAGraph`` sends allocations of
@@ -17,9 +17,11 @@ sends this thread's allocations to the same pool id with
 ``torch._C._cuda_beginAllocateCurrentThreadToPool`` (``_cuda_beginAllocateToPool`` before
 PyTorch 2.8) and stops with ``_cuda_endAllocateToPool`` (formerly
 ``_cuda_endAllocateCurrentStreamToPool``) -- the mechanism behind ``torch.cuda.use_mem_pool``.
-Those pools stay referenced (never ``_cuda_releasePool``-d) until the backend is closed, so
-blocks the graphs use are never handed to other tensors or returned to the driver. Static
-inputs, the temp arena and persistent constants are allocated before capture and held.
+Those pools stay referenced (never ``_cuda_releasePool``-d) until the backend is closed, which
+the runner does whenever it drops every graph (close, recapture, disable): blocks the graphs use
+are never handed to other tensors or returned to the driver, and a new capture after that uses
+a new pool id (see ``CudaGraphBackend.close``). Static inputs, the temp arena and persistent
+constants are allocated before capture and held.
 
 Per call (``launch``), on the caller's current stream of every device and nothing else (no
 stream or device switch): each device waits for the arguments' ready events and copies staged
@@ -309,9 +311,10 @@ class CudaGraphBackend:
 
         Called whenever the runner has dropped every graph (``GraphRunner.close``, a
         recapture, a disable). A pool whose graphs are all reset may not be captured into
-        again: since PyTorch 2.10 ``CUDAGraph`` also registers its pool with the pinned host
-        allocator, whose entry asserts ``use_count > 0`` on reuse. So a new pool id is taken
-        even when releasing the old one fails.
+        again: ``CUDAGraph`` (PyTorch 2.11) also registers its pool with the pinned host allocator
+        (``CachingHostAllocator``), whose entry for the pool id asserts ``use_count > 0`` when a
+        capture reuses an id all of whose graphs were reset. So a new pool id is taken even
+        when releasing the old one fails.
         """
         try:
             for d in self._pool_refs:

@@ -296,14 +296,18 @@ def test_runner_forwards_and_close_recaptures(mlp_prog):
     assert r.program is ex.program and r.devices == ex.devices
     w1, w2 = torch.randn(w1s), torch.randn(w2s)
     _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
-    for _ in range(2):
-        r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
+    x = torch.randn(xs)
+    xb = shards(compiled, [x, w1, w2])[0]
+    r.run([xb, w1b, w2b])
+    r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
     r.close()
     assert r.num_captures == 0 and r.input_buffers() == []
-    x = torch.randn(xs)
-    out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+    # x was staged before: it stays staged, even at the warm-up call's addresses
+    out, _ = r.run([xb, w1b, w2b])
     torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
     assert r.num_captures == 1
+    bufs = r.input_buffers()
+    assert bufs[0] is not None and bufs[1] is None and bufs[2] is None
 
 
 def test_foreign_storages_cover_args_and_arena():
@@ -334,3 +338,92 @@ def test_capture_in_another_thread_warms_it_up(mlp_prog):
     assert _counter("cuda_graphs.replay") == 1
     r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
     assert _counter("cuda_graphs.eager_call.thread_warmup") == 1
+
+
+# ---------------------------------------------------------------------------- per-call fast paths
+class _CountingBackend(HostReplayBackend):
+    """Counts ``close`` (the CUDA backend takes a fresh memory pool there)."""
+
+    def __init__(self, executable):
+        super().__init__(executable)
+        self.closes = 0
+
+    def close(self):
+        self.closes += 1
+
+
+def test_dropping_every_graph_renews_the_backend_pool(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    ex = unwrap(compiled.executable)
+    backend = _CountingBackend(ex)
+    r = GraphRunner(ex, GraphOptions(outputs="clone"), backend=backend)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    for _ in range(3):
+        r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
+    assert backend.closes == 0 and _counter("cuda_graphs.capture") == 1
+    w1 = torch.randn(w1s)  # new weight tensors: every graph is dropped, then captured again
+    x = torch.randn(xs)
+    xb, w1n, _ = shards(compiled, [x, w1, w2])
+    out, _ = r.run([xb, w1n, w2b])
+    torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert backend.closes == 1 and _counter("cuda_graphs.capture") == 2
+    r.close()
+    assert backend.closes == 2
+
+
+def test_cuda_backend_close_renews_the_pool_even_when_release_fails(monkeypatch):
+    from spmd.runtime import graphs_cuda
+
+    b = object.__new__(graphs_cuda.CudaGraphBackend)
+    b.pool, b._pool_refs, b._held, b._views, b.ex = "old", [0, 1, 1], True, None, None
+    b._key, b._streams = ("stream",), ["stream"]
+    calls = []
+
+    def release(device, pool):
+        calls.append((device, pool))
+        raise RuntimeError("INTERNAL ASSERT FAILED: use_count")
+
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", release, raising=False)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "new")
+    b.close()
+    assert calls == [(0, "old"), (1, "old"), (1, "old")]
+    assert b.pool == "new" and b._pool_refs == [] and not b._held and b._streams is None and b._key is None
+
+
+def test_adopted_list_changed_in_place_is_noticed(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    r = _runner(compiled, outputs="clone")
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
+    for _ in range(3):
+        r.run([shards(compiled, [torch.randn(xs), w1, w2])[0], w1b, w2b])
+    assert r.input_buffers()[1] is None
+    w1 = torch.randn(w1s)
+    w1b[:] = shards(compiled, [torch.randn(xs), w1, w2])[1]  # the same list object, other tensors
+    x = torch.randn(xs)
+    out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+    torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert _counter("cuda_graphs.recapture") == 1 and r.input_buffers()[1] is not None
+
+
+def test_compiled_runs_a_graph_runner_without_rechecking(mlp_prog):
+    from spmd.compiled import Compiled
+
+    compiled, (xs, w1s, w2s) = mlp_prog
+    ex = unwrap(compiled.executable)
+    runner = GraphRunner(ex, backend=HostReplayBackend(ex))  # default: "rotate"
+    c = Compiled(compiled.lowered, runner, compiled.output_shardings, [s for _, s, _ in compiled._outputs],
+                 [d for _, _, d in compiled._outputs], compiled.buffers)
+    w1, w2 = torch.randn(w1s), torch.randn(w2s)
+    w1a, w2a = (spmd.device_put(t, s) for t, s in zip((w1, w2), compiled.input_shardings[1:], strict=True))
+    held = []
+    for _ in range(5):
+        x = torch.randn(xs)
+        y = c(spmd.device_put(x, compiled.input_shardings[0]), w1a, w2a)
+        assert y._ready_events is None
+        held.append((x, y))  # every output held: rotating sets, then clones of the private set
+    assert c._run == runner.run_checked
+    for x, y in held:
+        torch.testing.assert_close(y.to_torch(), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    assert _counter("cuda_graphs.replay") == 4 and _counter("cuda_graphs.clone_call.outputs_held") == 1
