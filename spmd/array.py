@@ -201,6 +201,11 @@ class ShardedArray:
     def _tensor_sharding(self):
         return self._sharding.to_tensor_sharding(len(self._shape))
 
+    def __array__(self, dtype=None, copy=None):
+        """The global value as a NumPy array (through ``to_torch``: waits for the devices)."""
+        out = self.to_torch().numpy()
+        return out if dtype is None else out.astype(dtype)
+
     def to_torch(self) -> torch.Tensor:
         """The global value as a new tensor **on the CPU** (waits for the devices first).
 
@@ -317,6 +322,7 @@ def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
 
     Raises:
       TypeError: ``tensor`` not a Tensor / ShardedArray, ``sharding`` not a NamedSharding.
+      ValueError: ``tensor`` is a meta tensor (it has no data).
       ValueError (argname ``sharding``): unknown mesh axis, an axis used
         twice, more spec entries than ``tensor`` has dims.
     """
@@ -326,6 +332,9 @@ def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
         return tensor.reshard(sharding)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_meta:
+        raise ValueError("tensor: a meta tensor has no data to place; expected a tensor on the CPU or a GPU "
+                         "(meta tensors are fine for Jitted.lower)")
     sharding.validate(tuple(tensor.shape), "sharding")
     start = time.perf_counter()
     value = tensor.detach()

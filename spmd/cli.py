@@ -82,6 +82,10 @@ class Workload:
     flops: int | None
 
 
+# Full-size block layers on the CPU would take minutes and most of the memory: ask for --small.
+CPU_WEIGHT_LIMIT_BYTES = 2 * 2**30
+
+
 def _block_model(args):
     from spmd.models.gpt import gpt3_layers
     from spmd.models.llama import llama_layers
@@ -103,7 +107,12 @@ def build_workload(args, mesh, dp_axis: str | None) -> Workload:
     if args.model == "minilm":
         return _minilm_workload(args, mesh, batch_spec)
     make, plan = _block_model(args)
-    resolve_plan(make("meta"), mesh, plan)  # shapes only: fails fast on bad tp sizes
+    shapes_only = make("meta")
+    resolve_plan(shapes_only, mesh, plan)  # shapes only: fails fast on bad tp sizes
+    weight_bytes = sum(p.numel() * p.element_size() for p in shapes_only.parameters())
+    if first.type == "cpu" and not args.small and weight_bytes > CPU_WEIGHT_LIMIT_BYTES:
+        raise CliError(f"--model {args.model}: {weight_bytes / 2**30:.1f} GiB of weights is meant for GPUs; "
+                       "add --small for a quick CPU run (or --device cuda)")
     module = make(first)
     hidden = module.config.hidden_size
     gen = torch.Generator(device=first).manual_seed(1)

@@ -69,6 +69,10 @@ def jit(
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    if any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in donate):
+        raise TypeError(f"donate_argnums must be non-negative ints, got {donate_argnums!r}")
+    if options is not None and not isinstance(options, CompileOptions):
+        raise TypeError(f"options must be an spmd.CompileOptions, got {type(options).__name__}")
     return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs)
 
 
@@ -127,7 +131,7 @@ class Jitted:
             elif isinstance(leaf, torch.Tensor):
                 parts.append((tuple(leaf.shape), leaf.dtype))
             else:
-                parts.append(("static", leaf))
+                parts.append(("static", type(leaf), _hashable_static(leaf)))
         return tuple(parts)
 
     def lower(self, *args) -> Lowered:
@@ -135,6 +139,17 @@ class Jitted:
         from spmd.lowering import lower_function
 
         return lower_function(self, args)
+
+
+def _hashable_static(leaf):
+    """A static (non-tensor) argument leaf as a cache-key part; raises TypeError for unhashable ones."""
+    try:
+        hash(leaf)
+    except TypeError:
+        hint = " (convert it with torch.from_numpy)" if type(leaf).__module__ == "numpy" else ""
+        raise TypeError(f"argument of type {type(leaf).__name__} is neither a tensor nor a hashable static "
+                        f"value{hint}") from None
+    return leaf
 
 
 class Lowered:

@@ -2,7 +2,8 @@
 
 The imported program takes the flattened tensor leaves of the arguments as
 its parameters, in ``torch.utils._pytree`` order; non-tensor leaves are static.
-Tracing uses meta tensors, so no device memory is touched while lowering.
+Tracing uses uninitialised CPU tensors of the arguments' shapes (``torch.export`` sees
+them as fake tensors, so no data is read and no device memory is touched).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from spmd.array import ShardedArray
-from spmd.ir.hlo import Instruction, Module
+from spmd.ir.hlo import Instruction, Module, SourceLocation
 from spmd.ir.text import print_module
 from spmd.passes.pipeline import run_pipeline
 from spmd.sharding import NamedSharding, PartitionSpec
@@ -34,9 +35,12 @@ def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
     """
     if _is_spec_leaf(spec_tree):
         return [spec_tree] * len(pytree.tree_leaves(values))
-    if not isinstance(spec_tree, (tuple, list)) or len(spec_tree) != len(values):
-        n = len(spec_tree) if isinstance(spec_tree, (tuple, list)) else type(spec_tree).__name__
-        raise ValueError(f"{what}: expected one entry per argument ({len(values)}), got {n}")
+    if not isinstance(spec_tree, (tuple, list)):
+        raise TypeError(f"{what}: expected a PartitionSpec, NamedSharding, None or one entry per argument, "
+                        f"got {type(spec_tree).__name__}")
+    if len(spec_tree) != len(values):
+        raise ValueError(f"{what} has {len(spec_tree)} entries (one per argument), but the function was called "
+                         f"with {len(values)} arguments")
     out: list = []
     for i, (spec, value) in enumerate(zip(spec_tree, values)):
         n_leaves = len(pytree.tree_leaves(value))
@@ -90,8 +94,14 @@ def lower_function(jitted, args: tuple):
         return tuple(out_leaves)
 
     _keep_user_frames(jitted.fn)
-    examples = [torch.empty(leaf.shape, dtype=leaf.dtype, device="meta") for leaf in in_leaves]
-    program = import_program(flat_fn, tuple(examples), name=_module_name(jitted.__name__))
+    for a in jitted.donate_argnums:
+        if a >= len(args):
+            raise ValueError(f"donate_argnums: argument {a} does not exist; the function was called with "
+                             f"{len(args)} arguments")
+    # Example inputs on the CPU: export traces them as fake tensors (no data is read), and
+    # tensors the function captures or creates on the CPU meet inputs on the same device.
+    examples = [torch.empty(leaf.shape, dtype=leaf.dtype) for leaf in in_leaves]
+    program = _import(import_program, flat_fn, examples, jitted, paths, tensor_idx)
     module = program.module
     out_tree = holder["out_tree"]
     _name_parameters(module, jitted.fn, [paths[i] for i in tensor_idx])
@@ -104,6 +114,20 @@ def lower_function(jitted, args: tuple):
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
+
+
+def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
+    """Trace and import; a shape error inside the user's function becomes a ValueError naming the shapes."""
+    from spmd.frontend.torch_export import UnsupportedOpError
+
+    try:
+        return import_program(flat_fn, tuple(examples), name=_module_name(jitted.__name__))
+    except UnsupportedOpError:
+        raise
+    except RuntimeError as e:
+        shapes = ", ".join(f"args{paths[i]}: {tuple(x.shape)}" for i, x in zip(tensor_idx, examples))
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{jitted.__name__}: tracing failed for argument shapes {shapes}: {first}") from e
 
 
 def _name_parameters(module: Module, fn, paths: list[str]) -> None:
@@ -120,6 +144,8 @@ def _name_parameters(module: Module, fn, paths: list[str]) -> None:
         rest = ".".join(re.findall(r"\w+", m.group(2)))
         base = _module_name(arg_names[int(m.group(1))] + ("." + rest if rest else ""))
         param.name = module.fresh_name(base)
+        if param.location is not None:
+            param.location = SourceLocation(op_name=param.name)
 
 
 def _module_name(fn_name: str) -> str:

@@ -49,6 +49,7 @@ class CompileOptions:
     Raises:
       ValueError: for an unknown ``windowed_einsum`` mode or a
         ``num_compute_streams`` < 1.
+      TypeError: ``bidirectional``, ``cuda_graphs`` or ``verify`` not a bool or None.
     """
 
     windowed_einsum: str = "auto"
@@ -61,6 +62,9 @@ class CompileOptions:
     def __post_init__(self) -> None:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
+        for name in ("bidirectional", "cuda_graphs", "verify"):
+            if getattr(self, name) not in (None, True, False):
+                raise TypeError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.num_compute_streams is not None and self.num_compute_streams < 1:
             raise ValueError(f"num_compute_streams must be >= 1, got {self.num_compute_streams}")
 

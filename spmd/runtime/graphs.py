@@ -73,7 +73,7 @@ from spmd.runtime.graphs_host import HostReplayBackend  # noqa: F401  (re-export
 Tensor = torch.Tensor
 logger = logging.getLogger("spmd")
 
-MIN_THUNKS = 4  # with cuda_graphs=None, programs with fewer thunks per device stay eager
+MIN_THUNKS = 1  # with cuda_graphs=None, programs with fewer thunks per device stay eager
 OUTPUT_MODES = ("clone", "rotate")
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _logged: set[str] = set()
