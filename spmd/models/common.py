@@ -41,3 +41,26 @@ def attention_flops(batch: int, seq: int, hidden: int) -> int:
 def linear_flops(module: nn.Module, tokens: int) -> int:
     """2 x tokens x (in x out) summed over every ``nn.Linear`` inside ``module``."""
     return sum(2 * tokens * m.in_features * m.out_features for m in module.modules() if isinstance(m, nn.Linear))
+
+
+class LayerStack(nn.Module):
+    """``cfg.num_layers`` decoder layers ``layer_cls(cfg)`` applied in turn.
+
+    forward(x: float [B, S, hidden]) -> [B, S, hidden]; ``flops(batch, seq)`` counts the
+    matmul FLOPs of one forward (linears plus attention, see ``attention_flops``).
+    """
+
+    def __init__(self, cfg, layer_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def flops(self, batch: int, seq: int) -> int:
+        """Forward FLOPs for a [batch, seq, hidden] input (matmuls only)."""
+        per_layer_attn = attention_flops(batch, seq, self.config.hidden_size)
+        return linear_flops(self, batch * seq) + self.config.num_layers * per_layer_attn

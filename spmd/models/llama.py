@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd.models.common import attention_flops, init_random_, linear_flops
+from spmd.models.common import LayerStack, init_random_
 from spmd.models.gpt import _replace
 
 
@@ -142,23 +142,11 @@ class LlamaLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaBlocks(nn.Module):
+class LlamaBlocks(LayerStack):
     """``cfg.num_layers`` Llama layers. forward(x: float [B, S, hidden]) -> [B, S, hidden]."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def flops(self, batch: int, seq: int) -> int:
-        """Forward FLOPs for a [batch, seq, hidden] input (matmuls only; see ``common``)."""
-        per_layer_attn = attention_flops(batch, seq, self.config.hidden_size)
-        return linear_flops(self, batch * seq) + self.config.num_layers * per_layer_attn
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg, LlamaLayer)
 
 
 def llama_layers(
