@@ -118,16 +118,20 @@ def lower_function(jitted, args: tuple):
 
 def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
     """Trace and import; a shape error inside the user's function becomes a ValueError naming the shapes."""
+    from spmd.frontend.constraint import TRACING_MESH
     from spmd.frontend.torch_export import UnsupportedOpError
 
+    token = TRACING_MESH.set(jitted.mesh)
     try:
         return import_program(flat_fn, tuple(examples), name=_module_name(jitted.__name__))
-    except UnsupportedOpError:
+    except (UnsupportedOpError, ValueError, TypeError):
         raise
     except RuntimeError as e:
         shapes = ", ".join(f"args{paths[i]}: {tuple(x.shape)}" for i, x in zip(tensor_idx, examples))
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{jitted.__name__}: tracing failed for argument shapes {shapes}: {first}") from e
+    finally:
+        TRACING_MESH.reset(token)
 
 
 def _name_parameters(module: Module, fn, paths: list[str]) -> None:

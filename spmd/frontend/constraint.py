@@ -12,6 +12,7 @@ major to minor; then the axes over which the value is a pending sum).
 
 from __future__ import annotations
 
+import contextvars
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -74,7 +75,28 @@ def normalize_spec(spec: Any, rank: int) -> TensorSharding:
     if len(dims) > rank:
         raise ValueError(f"spec: has {len(dims)} entries but the tensor has rank {rank}")
     dims += [()] * (rank - len(dims))
+    used = [a for d in dims for a in d] + list(partial)
+    twice = sorted({a for a in used if used.count(a) > 1})
+    if twice:
+        raise ValueError(f"spec: mesh axis {twice[0]!r} is used twice in {spec!r}; each axis may shard one dim")
+    _check_against_tracing_mesh(spec, used)
     return TensorSharding(tuple(dims), partial)
+
+
+# The mesh of the program being traced by spmd.jit, so constraints are checked where they are written.
+TRACING_MESH: contextvars.ContextVar = contextvars.ContextVar("spmd_tracing_mesh", default=None)
+
+
+def _check_against_tracing_mesh(spec: Any, used: list[str]) -> None:
+    mesh = TRACING_MESH.get()
+    if mesh is None:
+        return
+    spec_mesh = getattr(spec, "mesh", None)
+    if spec_mesh is not None and spec_mesh != mesh:
+        raise ValueError(f"spec: a sharding on mesh {spec_mesh}, expected one on the jit mesh {mesh}")
+    unknown = [a for a in used if a not in mesh.shape.axis_names]
+    if unknown:
+        raise ValueError(f"spec: unknown mesh axis {unknown[0]!r}; the mesh has axes {mesh.shape.axis_names}")
 
 
 def encode_spec(sharding: TensorSharding) -> str:

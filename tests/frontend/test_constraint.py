@@ -51,3 +51,26 @@ def test_export_becomes_sharding_custom_call():
     assert c.operands[0].opcode == "dot" and c.shape.dims == (4, 6)
     assert c.location.source_file.endswith("test_constraint.py")
     torch.testing.assert_close(run_entry(prog, [x, w])[0], torch.tanh(x @ w))
+
+
+@pytest.mark.parametrize("make_spec, message", [
+    (lambda P, NS, Mesh: P("zz"), "unknown mesh axis 'zz'"),
+    (lambda P, NS, Mesh: P("tp", "tp"), "mesh axis 'tp' is used twice"),
+    (lambda P, NS, Mesh: NS(Mesh.create(("dp",), devices="cpu:2"), P("dp")), "expected one on the jit mesh"),
+])
+def test_bad_constraint_fails_at_the_users_line(make_spec, message):
+    import traceback
+
+    import spmd
+    from spmd import Mesh, NamedSharding
+    from spmd import PartitionSpec as P
+
+    spec = make_spec(P, NamedSharding, Mesh)
+
+    def f(x):
+        return spmd.with_sharding_constraint(x * 2, spec)
+
+    with pytest.raises(ValueError, match=message) as info:
+        spmd.jit(f, mesh=Mesh.create(("tp",), devices="cpu:2"))(torch.randn(4, 4))
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert any(fr.filename == __file__ and fr.name == "f" for fr in frames)
