@@ -288,7 +288,7 @@ class Executable:
                 if isinstance(step, Segment):
                     for k, env in enumerate(envs):
                         if trace is None:
-                            _run_segment_gpu(step.thunks, call.vals[k], call.views[k], env)
+                            issue_segment_gpu(step.thunks, call.vals[k], call.views[k], env)
                         else:
                             _traced_segment_gpu(step.thunks, call.vals[k], call.views[k], env, trace, bases[k])
                 elif trace is None:
@@ -324,7 +324,8 @@ def _traced_segment(trace: Any, pids: Sequence[int]):
     return run
 
 
-def _run_segment_gpu(thunks, vals: list, views: list, env: Any) -> None:
+def issue_segment_gpu(thunks, vals: list, views: list, env: Any) -> None:
+    """Issue one device's thunks of a segment on their streams (eager issue, or into a CUDA graph capture)."""
     cur = -1
     for th in thunks:
         if th.stream_id != cur and isinstance(th, KernelThunk):

@@ -37,14 +37,14 @@ caller's streams change the new ones first wait for everything issued on the old
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from spmd.runtime import streams as st
-from spmd.runtime.thunks import KernelThunk, Segment
+from spmd.runtime.executor import issue_segment_gpu
+from spmd.runtime.thunks import Segment
 
 Tensor = torch.Tensor
 
@@ -205,7 +205,7 @@ class CudaGraphBackend:
         for step in steps:
             if isinstance(step, Segment):
                 for k, env in enumerate(envs):
-                    _run_segment(step.thunks, call.vals[k], call.views[k], env)
+                    issue_segment_gpu(step.thunks, call.vals[k], call.views[k], env)
             else:
                 ex._collective(step, call)
         for env in envs:
@@ -331,17 +331,6 @@ class CudaGraphBackend:
                     self.ex._arenas.release(self._views)
                 self._views = None
 
-
-def _run_segment(thunks: Sequence[Any], vals: list, views: list, env: Any) -> None:
-    """Issue one device's thunks of a segment (as the eager executor does)."""
-    cur = -1
-    for th in thunks:
-        if th.stream_id != cur and isinstance(th, KernelThunk):
-            torch.cuda.set_stream(env.streams[th.stream_id])
-            cur = th.stream_id
-        th.run(vals, views, env)
-        for s in th.release:
-            vals[s] = None
 
 
 def _copy_in(pairs: list[tuple[Tensor, Tensor]], stream: Any) -> None:
