@@ -100,7 +100,10 @@ class Jitted:
         self._fast: tuple[int, Compiled] | None = None
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise TypeError(f"{self.__name__}: spmd.jit functions take positional arguments only; "
+                            f"got keyword argument(s) {', '.join(kwargs)}")
         fast = self._fast
         if fast is not None:
             leaves = _fast_leaves(args, fast[0])

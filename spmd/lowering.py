@@ -50,7 +50,9 @@ def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
         specs, spec_def = pytree.tree_flatten(spec, is_leaf=_is_spec_leaf)
         value_def = pytree.tree_structure(value)
         if spec_def != value_def:
-            raise ValueError(f"{what}[{i}]: the sharding tree {spec_def} does not match the argument's {value_def}")
+            raise ValueError(f"{what}[{i}]: expected shardings shaped like the value it describes "
+                             f"({value_def.num_leaves} tensor(s)), got a tree of {spec_def.num_leaves} shardings "
+                             "of another structure")
         out.extend(specs)
     return out
 
@@ -91,6 +93,10 @@ def lower_function(jitted, args: tuple):
             full[i] = t
         out = jitted.fn(*pytree.tree_unflatten(full, arg_tree))
         out_leaves, holder["out_tree"] = pytree.tree_flatten(out)
+        bad = [type(x).__name__ for x in out_leaves if not isinstance(x, torch.Tensor)]
+        if bad or not out_leaves:
+            raise TypeError(f"{jitted.__name__}: a jitted function must return tensors (or a tuple / list / dict "
+                            f"of tensors), got {bad[0] if bad else 'no tensor'}")
         return tuple(out_leaves)
 
     _keep_user_frames(jitted.fn)
@@ -182,6 +188,11 @@ def _annotate(module: Module, mesh, in_leaves, out_shardings, out_tree) -> None:
         return
     n_out = out_tree.num_leaves
     outs = pytree.tree_unflatten([0] * n_out, out_tree)
+    n_top = len(outs) if isinstance(outs, tuple) else 1
+    if not _is_spec_leaf(out_shardings) and isinstance(out_shardings, (tuple, list)) \
+            and len(out_shardings) != n_top:
+        raise ValueError(f"out_shardings has {len(out_shardings)} entries, but the function returns "
+                         f"{n_top} output(s)")
     if _is_spec_leaf(out_shardings):
         specs = [out_shardings] * n_out
     else:

@@ -142,3 +142,21 @@ def test_report_snapshot_and_reset(monkeypatch):
     assert metrics.snapshot()["timers"] == {} and not any(metrics.snapshot()["counters"].values())
     f(torch.randn(8, 4), torch.randn(8, 4))
     assert metrics.snapshot()["timers"]["execute"]["total_samples"] == 1
+
+
+def test_bad_calls_and_outputs_get_clear_errors():
+    import pytest as _pytest
+
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:4")
+    x = torch.randn(8, 8)
+    with _pytest.raises(ValueError, match="out_shardings has 2 entries, but the function returns 1 output"):
+        spmd.jit(lambda a: a * 2, mesh=mesh, out_shardings=(P("tp"), P()))(x)
+    with _pytest.raises(TypeError, match="must return tensors .* got NoneType"):
+        spmd.jit(lambda a: None, mesh=mesh)(x)
+    with _pytest.raises(TypeError, match="positional arguments only; got keyword argument"):
+        spmd.jit(lambda a: a, mesh=mesh)(a=x)
+    with _pytest.raises(TypeError, match="numpy|neither a tensor nor a hashable"):
+        spmd.jit(lambda a: a, mesh=mesh)(x.numpy())
+    f = spmd.jit(lambda a, s: a * s, mesh=mesh, in_shardings=(P("tp"), None))
+    assert f(torch.arange(8), 2).to_torch().dtype == torch.int64
+    assert f(torch.arange(8), 2.0).to_torch().dtype == torch.float32
