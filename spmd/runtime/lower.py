@@ -31,6 +31,7 @@ import torch
 from spmd.ir.hlo import Computation, Instruction, Module
 from spmd.runtime import fusions
 from spmd.runtime.donation import _aliases, plan_donation
+from spmd.runtime.stream_joins import attach_releases, stream_joins
 from spmd.runtime.thunks import (
     CollectiveSpec,
     CollectiveThunk,
@@ -176,7 +177,7 @@ class _Lowerer:
 
         An async-start waits for all of its operands before any instruction of its called
         computation runs (XLA's async semantics, and the model ``assign-buffers`` places
-        buffers under): ``unit`` tags the ops so that ``_stream_joins`` takes every
+        buffers under): ``unit`` tags the ops so that ``stream_joins`` takes every
         cross-stream wait of the unit before the unit's first op.
         """
         body: Computation = inst.attrs["calls"]
@@ -308,7 +309,7 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     for t, k in enumerate(sorted(plan)):
         op_buffers[k] = len(arena_views) + t
     thunks, num_events = _build_thunks(lw, op_buffers, host_slots, gpu)
-    _attach_releases(thunks, lw, outputs, gpu)
+    attach_releases(thunks, lw, outputs, gpu)
     templates = _templates(lw, host_slots, gpu)
     streams = sorted({0} | {t.stream_id for t in thunks})
     return Program(num_slots=lw.num_slots, thunks=thunks,
@@ -400,7 +401,7 @@ def _build_thunks(lw: _Lowerer, op_buffers: dict[int, int], host_slots: dict[int
     """Kernel / collective thunks, with record/wait event thunks for cross-stream joins on GPU."""
     from spmd.runtime.kernels import compile_kernel
 
-    record_after, waits_before = _stream_joins(lw.ops) if gpu else ({}, {})
+    record_after, waits_before = stream_joins(lw.ops) if gpu else ({}, {})
     event_of = {p: e for e, p in enumerate(sorted(record_after))}
     thunks: list[Thunk] = []
     for k, op in enumerate(lw.ops):
@@ -426,89 +427,6 @@ def _work(op: Op) -> int:
     if inst.shape.is_tuple:
         return 0
     return fusions.dot_work(inst) if inst.opcode == "dot" else inst.shape.numel
-
-
-def _stream_joins(ops: list[Op]) -> tuple[set[int], dict[int, list[int]]]:
-    """Which ops need an event recorded after them, and which ops each op must wait for.
-
-    A vector clock per stream (stream -> index of the last op of that stream known complete)
-    skips a wait already implied by an earlier join. Parameters and persistent values are
-    ready on every stream (the executor forks every stream from the main stream at the start).
-    The ops of one async unit (``extra["unit"]``) take all their cross-stream waits before the
-    unit's first op: the buffer assignment assumes an async computation starts only after all
-    of its operands are ready, so a unit's first op may overwrite bytes that the producers of
-    a later op's operands (on other streams) were still using.
-    """
-    producer: dict[int, int] = {op.out: k for k, op in enumerate(ops)}
-    unit_reads: dict[str, list[int]] = {}
-    for op in ops:
-        if "unit" in op.extra:
-            unit_reads.setdefault(op.extra["unit"], []).extend(_reads(op))
-    seen_units: set[str] = set()
-    clocks: dict[int, dict[int, int]] = {}
-    snaps: list[dict[int, int]] = []
-    record_after: set[int] = set()
-    waits: dict[int, list[int]] = {}
-    for k, op in enumerate(ops):
-        a = op.stream
-        clock = clocks.setdefault(a, {})
-        reads = _reads(op)
-        unit = op.extra.get("unit")
-        if unit is not None and unit not in seen_units:
-            seen_units.add(unit)
-            reads = unit_reads[unit]
-        # latest producer first: its join often implies the earlier ones
-        for p in sorted({producer[s] for s in reads if s in producer}, reverse=True):
-            if p >= k or ops[p].stream == a or clock.get(ops[p].stream, -1) >= p:
-                continue
-            record_after.add(p)
-            waits.setdefault(k, []).append(p)
-            for st, idx in snaps[p].items():
-                if clock.get(st, -1) < idx:
-                    clock[st] = idx
-        clock[a] = k
-        snaps.append(dict(clock))
-    return record_after, waits
-
-
-def _reads(op: Op) -> list[int]:
-    """Slots an op reads, the memory it updates in place included."""
-    return list(op.ins) + ([op.alias_of] if op.alias_of >= 0 else [])
-
-
-def _storage_streams(lw: _Lowerer) -> dict[int, set[int]]:
-    """Per slot, the streams that may have allocated the memory it refers to (views included)."""
-    out: dict[int, set[int]] = {}
-    for op in lw.ops:
-        streams = {op.stream}
-        if op.alias_of >= 0:
-            streams |= out.get(op.alias_of, set())
-        if "spec" not in op.extra and op.inst.opcode not in fusions.FRESH_OPCODES:
-            for s in op.ins:
-                streams |= out.get(s, set())
-        out[op.out] = streams
-    return out
-
-
-def _attach_releases(thunks: list[Thunk], lw: _Lowerer, outputs: set[int], gpu: bool) -> None:
-    """Set ``release`` on each slot's last reader when dropping it early is safe."""
-    last: dict[int, int] = {}
-    readers: dict[int, set[int]] = {}
-    for k, th in enumerate(thunks):
-        ins = th.ins if isinstance(th, KernelThunk) else (th.in_,) if isinstance(th, CollectiveThunk) else ()
-        for s in ins:
-            last[s] = k
-            readers.setdefault(s, set()).add(th.stream_id)
-    storage = _storage_streams(lw) if gpu else {}
-    per_thunk: dict[int, list[int]] = {}
-    for s, k in last.items():
-        if s in outputs or s in lw.folded:
-            continue
-        if gpu and len(readers[s] | storage.get(s, {0})) > 1:
-            continue
-        per_thunk.setdefault(k, []).append(s)
-    for k, slots in per_thunk.items():
-        thunks[k].release = tuple(slots)
 
 
 def _templates(lw: _Lowerer, host_slots: dict[int, int], gpu: bool) -> list[list[Any]]:

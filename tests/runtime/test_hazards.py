@@ -69,14 +69,14 @@ def test_async_unit_waits_before_its_first_op(monkeypatch):
     """
     module = _module("ag", 2, (64, 32, 64), 2, False)
     assert find_hazards(_gpu_program(module, 2, fuse=False)) == []
-    joins = lower_mod._stream_joins
+    joins = lower_mod.stream_joins
 
     def without_units(ops):
         for op in ops:
             op.extra.pop("unit", None)
         return joins(ops)
 
-    monkeypatch.setattr(lower_mod, "_stream_joins", without_units)
+    monkeypatch.setattr(lower_mod, "stream_joins", without_units)
     hazards = find_hazards(_gpu_program(_module("ag", 2, (64, 32, 64), 2, False), 2, fuse=False))
     assert any(h.location[0] == "arena" for h in hazards), hazards
 
