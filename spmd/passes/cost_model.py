@@ -66,7 +66,7 @@ class MachineProfile:
     per_step_overhead_us: float
     launch_us: float = 20.0
     event_us: float = 9.0
-    gemm_half_efficiency_elems: float = 1.5e6
+    gemm_half_efficiency_elems: float = 0.5e6
     hbm_gbps: float = 4800.0
     switched: bool = True
 
@@ -292,7 +292,7 @@ def measure_profile(device: str = "cpu") -> MachineProfile:
         device_name=name, gemm_tflops=tflops, link_gbps_unidirectional=one_way,
         link_gbps_bidirectional=both, collective_gbps=min(one_way, both / 2),
         per_step_overhead_us=launch, launch_us=launch, event_us=launch / 2,
-        gemm_half_efficiency_elems=1.5e6 if cuda else 1.6e4, hbm_gbps=both, switched=True,
+        gemm_half_efficiency_elems=0.5e6 if cuda else 1.6e4, hbm_gbps=both, switched=True,
     )
 
 
