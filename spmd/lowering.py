@@ -47,14 +47,32 @@ def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
         if _is_spec_leaf(spec):
             out.extend([spec] * n_leaves)
             continue
-        specs, spec_def = pytree.tree_flatten(spec, is_leaf=_is_spec_leaf)
+        specs, spec_def = pytree.tree_flatten(_align(spec, value), is_leaf=_is_spec_leaf)
         value_def = pytree.tree_structure(value)
         if spec_def != value_def:
-            raise ValueError(f"{what}[{i}]: expected shardings shaped like the value it describes "
-                             f"({value_def.num_leaves} tensor(s)), got a tree of {spec_def.num_leaves} shardings "
-                             "of another structure")
+            raise ValueError(f"{what}[{i}]: the sharding tree does not match the value's structure: "
+                             f"expected {_describe(value_def)}, got {_describe(spec_def)}")
         out.extend(specs)
     return out
+
+
+def _align(spec, value):
+    """``spec`` with its dicts reordered to ``value``'s key order (dict order is not meaningful)."""
+    if isinstance(spec, dict) and isinstance(value, dict) and set(spec) == set(value):
+        return {k: _align(spec[k], value[k]) for k in value}
+    if isinstance(spec, (list, tuple)) and not _is_spec_leaf(spec) and isinstance(value, (list, tuple)) \
+            and len(spec) == len(value):
+        return type(spec)(_align(a, v) for a, v in zip(spec, value))
+    return spec
+
+
+def _describe(tree) -> str:
+    """A short description of a pytree structure for error messages."""
+    if tree.is_leaf():
+        return "a single value"
+    if tree.type is dict:
+        return f"a dict with keys {list(tree.context)}"
+    return f"a {getattr(tree.type, '__name__', tree.type)} of {tree.num_children}"
 
 
 def _resolve_leaf(leaf, spec, mesh, name: str):

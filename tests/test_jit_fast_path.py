@@ -78,10 +78,11 @@ def test_other_layouts_and_structures_take_the_full_path():
     params = {"w": _put(w, P(None, "tp")), "b": _put(b, P("tp"))}
     f(params, _put(x, P()))
     # another key order is another pytree structure: never fed to the fast entry in the wrong
-    # order, it fails to match the in_shardings tree
+    # order; the full path matches the in_shardings by key and gives the same result
     swapped = {"b": params["b"], "w": params["w"]}
-    with pytest.raises(ValueError, match="sharding tree"):
-        f(swapped, _put(x, P()))
+    torch.testing.assert_close(f(swapped, _put(x, P())).to_torch(), x @ w + b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sharding tree does not match"):
+        f({"w": params["w"]}, _put(x, P()))
     # torch.Tensor leaves are placed by the full path
     torch.testing.assert_close(f({"w": w, "b": b}, x).to_torch(), x @ w + b, rtol=1e-5, atol=1e-5)
 
