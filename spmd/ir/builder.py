@@ -24,8 +24,8 @@ __all__ = ["Builder", "clone_module", "infer_shape"]
 
 
 # ----------------------------------------------------------------------------- names
-class _Names:
-    """Module-wide used names (instructions and computations) and per-base counters."""
+class NameSet:
+    """Module-wide used names (instructions and computations); ``fresh(base)`` reserves a new one."""
 
     def __init__(self, module: Module) -> None:
         self.used: set[str] = set()
@@ -56,14 +56,14 @@ class _Names:
         return name
 
 
-_REGISTRY: weakref.WeakKeyDictionary[Module, _Names] = weakref.WeakKeyDictionary()
+_REGISTRY: weakref.WeakKeyDictionary[Module, NameSet] = weakref.WeakKeyDictionary()
 
 
-def _names_for(module: Module) -> _Names:
+def _names_for(module: Module) -> NameSet:
     names = _REGISTRY.get(module)
     if names is None:
-        names = _REGISTRY[module] = _Names(module)
-    elif names.expected != _Names.count(module):
+        names = _REGISTRY[module] = NameSet(module)
+    elif names.expected != NameSet.count(module):
         names.sync(module)  # edited by hand since: pick up its names
     return names
 

@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from spmd.ir.builder import NameSet
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
 from spmd.ir.sharding import MeshShape, TensorSharding
 
@@ -44,8 +45,7 @@ class Emitter:
     def __init__(self, module: Module, computation: Computation) -> None:
         self.module = module
         self.computation = computation
-        self._names = {i.name for c in module.all_computations() for i in c.instructions}
-        self._names |= {c.name for c in module.all_computations()}
+        self._names = NameSet(module)
         self._cache: dict[tuple, object] = {}
 
     @property
@@ -54,12 +54,7 @@ class Emitter:
 
     def name(self, base: str) -> str:
         """A fresh instruction name starting with ``base``."""
-        cand, k = base, 0
-        while cand in self._names:
-            k += 1
-            cand = f"{base}.{k}"
-        self._names.add(cand)
-        return cand
+        return self._names.fresh(base)
 
     def emit(self, opcode: str, shape: Shape, operands=(), attrs=None, sharding=None,
              name: str | None = None) -> Instruction:

@@ -74,7 +74,7 @@ class _Partitioner:
     def __init__(self, out: Module, src: Computation, gather_discount: float = 1.0) -> None:
         self.gather_discount = gather_discount
         self.em = Emitter(out, out.entry)
-        self.em._names |= {i.name for i in src.instructions}
+        self.em._names.used |= {i.name for i in src.instructions}
         self.src = src
         self.mesh = out.mesh
         self.values: dict[int, tuple[Instruction, object]] = {}

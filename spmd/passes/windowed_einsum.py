@@ -51,6 +51,7 @@ from typing import ClassVar
 
 import torch
 
+from spmd.ir.builder import NameSet
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
 from spmd.passes.cost_model import H200_NVLINK, GemmShape, MachineProfile, decide
 
@@ -349,18 +350,13 @@ class _Emitter:
 
     def __init__(self, module: Module, streams: int | None = None) -> None:
         self.module, self.streams = module, streams
-        self.used = {i.name for c in module.all_computations() for i in c.instructions}
+        self.names = NameSet(module)
         self.new: list[Instruction] = []
         self._consts: dict[tuple, Instruction] = {}
         self._offsets: dict[tuple, Instruction] = {}
 
     def name(self, base: str) -> str:
-        cand, k = base, 0
-        while cand in self.used:
-            k += 1
-            cand = f"{base}.{k}"
-        self.used.add(cand)
-        return cand
+        return self.names.fresh(base)
 
     def op(self, opcode: str, shape: Shape, operands, name: str, **attrs) -> Instruction:
         inst = Instruction(self.name(name), opcode, shape, operands, attrs)
