@@ -115,7 +115,10 @@ def check_numerics(text: str, bidirectional: bool, expect_rewrite: bool = True):
     for w_out, g_out in zip(want, got, strict=True):
         for d, (w, g) in enumerate(zip(w_out, g_out, strict=True)):
             assert g.shape == w.shape and g.dtype == w.dtype
-            err = (g.double() - w.double()).abs().max() / w.double().abs().max()
+            if tol == 1e-5:
+                err = (g.double() - w.double()).abs().max() / w.double().abs().max()
+            else:  # bf16: both sides round every partial sum; compare norms, not the worst element
+                err = (g.double() - w.double()).norm() / w.double().norm()
             assert err < tol, f"device {d}: relative error {err}"
     return mod
 
