@@ -455,10 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill defaults that depend on the machine; ValueError on unknown sides/variants."""
-    import torch
 
     if args.tp is None:
-        args.tp = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
+        args.tp = common.default_tp(args.device)
     bad = [s for s in args.sides if s not in SIDES]
     if bad:
         raise ValueError(f"--sides: expected a subset of {SIDES}, got {bad}")

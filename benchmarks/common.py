@@ -42,6 +42,13 @@ REQUIRED_ENV: dict[str, str] = {
 JSON_PREFIX = "BENCH_JSON "
 
 
+def default_tp(device: str) -> int:
+    """Devices to use when ``--tp`` is not given: 2 virtual CPU devices, else every local GPU."""
+    import torch
+
+    return 2 if device == "cpu" else max(1, torch.cuda.device_count())
+
+
 def apply_required_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """Set every variable of :data:`REQUIRED_ENV` in ``env`` (default: ``os.environ``).
 

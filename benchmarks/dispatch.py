@@ -216,11 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse and check options; ValueError on unknown workloads or children."""
-    import torch
 
     args = build_parser().parse_args(argv)
     if args.tp is None:
-        args.tp = 2 if args.device == "cpu" else max(1, torch.cuda.device_count())
+        args.tp = common.default_tp(args.device)
     bad = [w for w in args.workloads if w not in WORKLOAD_NAMES]
     if bad:
         raise ValueError(f"--workloads: expected a subset of {WORKLOAD_NAMES}, got {bad}")
