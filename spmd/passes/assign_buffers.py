@@ -19,8 +19,15 @@ memory. Because the runtime may fuse a dot into its single same-stream add /
 dynamic-update-slice user (``spmd.runtime.fusions``), the dot's operands count as
 read at that user too, and the dot's waits are taken at the user.
 
+A view (``spmd.passes.views``: a reshape, transpose, broadcast or slice that runs as a
+torch view of its operand) gets no bytes: like ``tuple`` it denotes its operand's values,
+but it is an op on its stream (it waits for the operand's producer there), and every read
+of the view is a read of the underlying values at the reader's position and stream, so
+they stay live, across streams too, until the view's last reader.
+
 A dynamic-update-slice reuses the bytes of its operand 0 (in place) when it is
-that value's only reader. Groups that contain an output are left to the runtime.
+that value's only reader (a read through a view counts as a reader). Groups that
+contain an output are left to the runtime.
 Placement is best-fit over the conflicting groups, largest first (in the spirit of
 tinygrad's memory planner). Keys are the names of the writing instructions: for an
 async-start, the instructions of its called computation; for a collective start,
@@ -34,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from spmd.ir.hlo import Instruction, Module
+from spmd.passes.views import view_instructions
 
 ALIGN_BYTES = 256
 _ALIASES = frozenset({"tuple", "get-tuple-element", "all-gather-done", "collective-permute-done",
@@ -49,7 +57,7 @@ class BufferAssignment:
     offsets_bytes: instruction name -> byte offset in the arena (256-byte aligned).
     sizes_bytes: instruction name -> size of its value in bytes.
     arena_size_bytes: bytes the arena needs.
-    Names not present (parameters, outputs, tuples, aliases, folded constants) are
+    Names not present (parameters, outputs, tuples, aliases, views, folded constants) are
     allocated by the runtime.
     """
 
@@ -92,6 +100,8 @@ class _Liveness:
         self.vc: list[dict[int, int]] = []        # per position: clock before the op runs
         self.inplace: list[tuple[str, Instruction]] = []  # (operand value, DUS writer)
         self.folded: set[int] = set()
+        names = view_instructions(module)
+        self.views = {id(i) for i in self.comp.instructions if i.name in names}
         self._walk()
 
     def _walk(self) -> None:
@@ -133,6 +143,8 @@ class _Liveness:
             self.folded.add(id(inst))
             self.src[id(inst)] = []
             return []
+        if id(inst) in self.views:
+            return self._view(inst, (pos, stream))
         reads = [n for o in inst.operands for n in self.src[id(o)]]
         at = (pos, stream)
         for o in inst.operands if op != "async-start" else ():  # the called computation reads those
@@ -159,6 +171,14 @@ class _Liveness:
         else:
             self.src[id(inst)] = []
         return reads
+
+    def _view(self, inst: Instruction, at: tuple[int, int]) -> list[str]:
+        """A view denotes the values of its operand 0 and reads them at its own position."""
+        names = list(self.src[id(inst.operands[0])])
+        for n in names:
+            self._read(n, at, inst)
+        self.src[id(inst)] = names
+        return names
 
     def _async_body(self, start: Instruction, at: tuple[int, int]) -> None:
         """Values of the called computation: written and read at the start's position and stream."""

@@ -3,7 +3,8 @@
 When the caller donates parameter ``i`` (JAX's ``donate_argnums``), an output of the same
 shard shape and dtype may be computed into that parameter's buffer (``out=`` of its kernel)
 instead of fresh memory. That is safe only when nothing reads the parameter, or any value
-that may share its memory (views through reshape, slice, ...), after the writing kernel, and
+that may share its memory (views through reshape, transpose, slice, ...: every op that may
+return an operand, ``spmd.passes.views`` included), after the writing kernel, and
 when every earlier reader is on the writing kernel's stream (so it is ordered before the
 write). The writing kernel itself may read the parameter only as a dynamic-update-slice's
 operand 0 (updated in place: the KV-cache update of LLM decoding) or as an elementwise operand.

@@ -10,7 +10,8 @@ into arena bytes that another stream may still read or write (buffer reuse acros
 
 Memory: an op with an arena view (``KernelThunk.buffer``) writes those bytes; an in-place
 op writes the memory of the slot it updates; an op that may return a view of an operand
-(``Program.shares``) writes nothing of its own and its readers read the operands' memory;
+(``Program.shares``: the views of ``spmd.passes.views``, parameter slices, kernels that
+return an operand) writes nothing of its own and its readers read the operands' memory;
 every other result is fresh memory of its slot. Parameters and persistent values are never
 written. Every stream starts a call behind the main stream (the executor's fork), so only
 thunks of one call are compared.

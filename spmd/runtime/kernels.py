@@ -71,6 +71,31 @@ def compile_kernel(inst: Instruction, device: torch.device | str | None = None) 
     return builder(inst, dev)
 
 
+VIEW_KERNEL_OPCODES = frozenset({"reshape", "transpose", "broadcast", "slice"})
+
+
+def compile_view_kernel(inst: Instruction) -> Kernel:
+    """A closure ``(operands, out) -> Tensor`` returning ``inst`` as a view of operand 0, no copy.
+
+    For the instructions ``spmd.passes.views`` decides are views: transpose is ``permute``,
+    broadcast ``expand``, slice indexing and reshape ``Tensor.reshape``, a view whenever the
+    operand's strides allow (always, for the layouts the analysis assumed; an operand that
+    arrives with other strides, such as a caller's non-contiguous argument, is copied, so
+    the result is right either way). ``out`` must be None: a view has no buffer.
+    Raises ValueError for an opcode outside ``VIEW_KERNEL_OPCODES``.
+    """
+    if inst.opcode not in VIEW_KERNEL_OPCODES:
+        raise ValueError(f"%{inst.name}: {inst.opcode!r} has no view kernel; "
+                         f"expected one of {sorted(VIEW_KERNEL_OPCODES)}")
+    if inst.opcode == "transpose":
+        perm = tuple(inst.attrs["dimensions"])
+        return lambda ops, out: ops[0].permute(perm)
+    if inst.opcode == "reshape":
+        dims = inst.shape.dims
+        return lambda ops, out: ops[0].reshape(dims)
+    return compile_kernel(inst)  # broadcast and slice kernels return views when given no ``out``
+
+
 # --------------------------------------------------------------------------- helpers
 def _write(out: Tensor | None, value: Tensor) -> Tensor:
     """``value``, or ``out`` after copying ``value`` into it."""

@@ -13,11 +13,19 @@ each with an execution stream id; async collectives as start/done; WaitForStream
 - collectives and their ``*-start`` forms become ``CollectiveThunk``s.
 - every other instruction becomes a ``KernelThunk`` from ``kernels.compile_kernel``, writing
   into its arena view when a ``BufferAssignment`` places it.
+- instructions that ``spmd.passes.views`` decides are views (reshape, transpose, broadcast,
+  slice of a layout that allows it) stay ops on their stream (so stream joins are unchanged)
+  but run a view kernel (``kernels.compile_view_kernel``): no copy, no arena buffer. Their
+  readers read the operand's memory (``Program.shares``), which the buffer assignment keeps
+  live until the view's last reader.
 - peephole fusions (``spmd.runtime.fusions``): dot into a dynamic-update-slice, dot + add.
 - on GPU, a record-event / wait-event pair for every cross-stream dependency not already
   implied by an earlier join (vector clocks over streams).
 - slots are dropped after their last reader when only one stream ever touches their memory;
   values shared across streams are kept until the end of the call.
+- an output that may share memory with the arena, a persistent value or an undonated
+  parameter (through views, in-place updates, kernels returning an operand) is copied
+  before it is returned.
 """
 
 from __future__ import annotations
@@ -29,8 +37,8 @@ from typing import Any
 import torch
 
 from spmd.ir.hlo import Computation, Instruction, Module
-from spmd.runtime import fusions
-from spmd.runtime.donation import _aliases, plan_donation
+from spmd.runtime import aliasing, fusions
+from spmd.runtime.donation import plan_donation
 from spmd.runtime.stream_joins import attach_releases, stream_joins
 from spmd.runtime.thunks import (
     CollectiveSpec,
@@ -86,6 +94,8 @@ class Program:
         slice, ...); such a result writes no memory of its own.
       in_place: slot -> the slot whose memory the op producing it updates in place.
         (``spmd.runtime.hazards`` reads both.)
+      view_slots: result slots of the kernel thunks that return a view of an operand
+        without running a kernel (``spmd.passes.views`` and parameter slices).
     """
 
     num_slots: int
@@ -101,6 +111,7 @@ class Program:
     donated_params: tuple[int, ...] = ()
     shares: dict[int, tuple[int, ...]] = field(default_factory=dict)
     in_place: dict[int, int] = field(default_factory=dict)
+    view_slots: frozenset[int] = frozenset()
 
 
 @dataclass(eq=False)
@@ -293,19 +304,14 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
             lw.refs[id(p)] = lw.lower_inst(p, 0, set())
     output_slots = flatten_ref(lw.refs[id(entry.root)])
     outputs = set(output_slots)
-    if fuse:
-        fusions.fuse(lw.ops, outputs, buffers, lw.folded)
-    _mark_views(lw, donated)
+    view_sources = aliasing.mark_analysis_views(lw, buffers)
+    if fuse:  # a buffer that a view aliases is never updated in place by a fusion
+        fusions.fuse(lw.ops, outputs | view_sources, buffers, lw.folded)
+    aliasing.mark_parameter_views(lw, donated)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
-    # An output that may share memory with an undonated parameter is copied: outputs never alias
-    # the caller's inputs (a later donation or in-place update of the input would change them).
-    param_views = set()
-    for n, s in lw.param_slots.items():
-        if n not in donated:
-            param_views |= _aliases(lw.ops, s)
-    clone = tuple(s in lw.folded or s in param_views or _in_arena(s, lw.ops, op_buffers) for s in output_slots)
     plan = plan_donation(lw.ops, [lw.param_slots[i] for i in range(len(params))], output_slots, donated)
+    clone = aliasing.output_clones(lw, output_slots, op_buffers, donated, plan)
     for t, k in enumerate(sorted(plan)):
         op_buffers[k] = len(arena_views) + t
     thunks, num_events = _build_thunks(lw, op_buffers, host_slots, gpu)
@@ -317,39 +323,9 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
                    output_slots=tuple(output_slots), output_clone=clone, templates=templates,
                    stream_ids=tuple(streams), num_events=num_events, arena_views=tuple(arena_views),
                    arena_size_bytes=int(getattr(buffers, "arena_size_bytes", 0) or 0),
-                   donated_params=tuple(plan[k] for k in sorted(plan)), shares=_shares(lw.ops, op_buffers),
-                   in_place={op.out: op.alias_of for op in lw.ops if op.alias_of >= 0})
-
-
-def _shares(ops: list[Op], op_buffers: dict[int, int]) -> dict[int, tuple[int, ...]]:
-    """Per result slot, the operand slots whose memory the result may be a view of.
-
-    An op outside ``fusions.FRESH_OPCODES``, not in place and without an arena view may
-    return a view of any operand (reshape, slice, dynamic-slice, ...).
-    """
-    out: dict[int, tuple[int, ...]] = {}
-    for k, op in enumerate(ops):
-        if (op.alias_of < 0 and "spec" not in op.extra and k not in op_buffers and op.fn is None
-              and op.inst.opcode not in fusions.FRESH_OPCODES):
-            out[op.out] = tuple(op.ins)
-    return out
-
-
-_VIEW_OPCODES = frozenset({"slice", "dynamic-slice"})
-
-
-def _mark_views(lw: _Lowerer, donated: frozenset[int]) -> None:
-    """Slices of parameters (static, or at offsets folded at lowering time) stay views.
-
-    Their kernels return a view of the operand when given no arena view, so the slice is
-    free (cuBLAS and the peer copies read strided rows); a parameter's memory is the caller's
-    and nothing in the call writes it unless it is donated.
-    """
-    params = {s for n, s in lw.param_slots.items() if n not in donated}
-    for op in lw.ops:
-        if (op.inst.opcode in _VIEW_OPCODES and op.fn is None and op.ins and op.ins[0] in params
-                and all(s in lw.folded for s in op.ins[1:])):
-            op.extra["view"] = True
+                   donated_params=tuple(plan[k] for k in sorted(plan)), shares=aliasing.shares(lw.ops, op_buffers),
+                   in_place={op.out: op.alias_of for op in lw.ops if op.alias_of >= 0},
+                   view_slots=frozenset(op.out for op in lw.ops if "view" in op.extra))
 
 
 def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:
@@ -392,15 +368,9 @@ def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaVi
     return views, op_buffers
 
 
-def _in_arena(slot: int, ops: list[Op], op_buffers: dict[int, int]) -> bool:
-    return any(op.out == slot and k in op_buffers for k, op in enumerate(ops))
-
-
 def _build_thunks(lw: _Lowerer, op_buffers: dict[int, int], host_slots: dict[int, int],
                   gpu: bool) -> tuple[list[Thunk], int]:
     """Kernel / collective thunks, with record/wait event thunks for cross-stream joins on GPU."""
-    from spmd.runtime.kernels import compile_kernel
-
     record_after, waits_before = stream_joins(lw.ops) if gpu else ({}, {})
     event_of = {p: e for e, p in enumerate(sorted(record_after))}
     thunks: list[Thunk] = []
@@ -411,12 +381,21 @@ def _build_thunks(lw: _Lowerer, op_buffers: dict[int, int], host_slots: dict[int
             thunks.append(CollectiveThunk(op.inst.name, op.stream, op.extra["spec"], op.ins[0], op.out))
         else:
             dev = lw.devices[0] if lw.devices else None
-            fn = op.fn if op.fn is not None else compile_kernel(op.inst, dev)
+            fn = op.fn if op.fn is not None else _kernel(op, dev)
             thunks.append(KernelThunk(op.inst.name, op.stream, fn, tuple(op.ins), op.out, op_buffers.get(k, -1),
                                       work=_work(op)))
         if k in event_of:
             thunks.append(RecordEventThunk(f"record.{op.inst.name}", op.stream, event_of[k]))
     return thunks, len(event_of)
+
+
+def _kernel(op: Op, dev: Any):
+    """The kernel closure of an unfused op: a view kernel for a view, else ``compile_kernel``."""
+    from spmd.runtime.kernels import VIEW_KERNEL_OPCODES, compile_kernel, compile_view_kernel
+
+    if "view" in op.extra and op.inst.opcode in VIEW_KERNEL_OPCODES:
+        return compile_view_kernel(op.inst)
+    return compile_kernel(op.inst, dev)
 
 
 def _work(op: Op) -> int:

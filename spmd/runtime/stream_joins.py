@@ -3,7 +3,10 @@
 ``stream_joins`` decides which ops need an event recorded after them and which ops each op
 must wait for (vector clocks over streams skip waits an earlier join already implies — the
 JoinExecutionThreads idea of XLA's multi-stream GPU runtime). ``attach_releases`` drops a
-slot after its last reader when only one stream ever touches its memory.
+slot after its last reader when only one stream ever touches its memory. A view (an op that
+may return an operand's memory, such as the views of ``spmd.passes.views``) holds that
+memory: its slot counts the streams of the memory it views, so memory allocated on one
+stream and read through a view on another is kept until the end of the call.
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""Which slots of a lowered program share memory: views, operand-returning kernels, outputs.
+
+Helpers of ``spmd.runtime.lower`` on its ``Op`` list (``lw`` is the lowering's state: ``ops``,
+``module``, ``folded``, ``param_slots``):
+
+- ``mark_analysis_views``: the entry instructions ``spmd.passes.views`` decides are views
+  (XLA's bitcasts) run a view kernel and get no arena buffer (``Op.extra["view"]``);
+- ``mark_parameter_views``: slices of parameters are views too (their kernels return one);
+- ``shares``: per result slot, the operand slots whose memory it may be a view of (what
+  ``spmd.runtime.hazards`` and the slot releases read);
+- ``output_clones``: which outputs must be copied before they are returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spmd.passes.views import view_instructions
+from spmd.runtime import fusions
+
+
+def mark_analysis_views(lw, buffers: Any) -> set[int]:
+    """Mark the entry ops ``spmd.passes.views`` decides are views; returns their operand slots.
+
+    With a buffer assignment, an instruction it placed is not a view (the assignment then
+    did not keep the operand live for the view's readers).
+    """
+    names = view_instructions(lw.module)
+    placed = getattr(buffers, "offsets_bytes", {}) if buffers is not None else {}
+    entry = {id(i) for i in lw.module.entry.instructions if i.name in names and i.name not in placed}
+    sources: set[int] = set()
+    for op in lw.ops:
+        if id(op.inst) in entry and op.fn is None:
+            op.extra["view"] = True
+            op.extra["work"] = 0
+            sources.add(op.ins[0])
+    return sources
+
+
+def output_clones(lw, output_slots: list[int], op_buffers: dict[int, int],
+                  donated: frozenset[int], plan: dict[int, int]) -> tuple[bool, ...]:
+    """Per output, whether it is copied before it is returned.
+
+    An output that may share memory (through views, kernels returning an operand, in-place
+    updates) with the arena, a persistent folded value or an undonated parameter is copied:
+    the arena is reused by the next call, and outputs never alias the caller's inputs (a
+    later donation or in-place update of the input would change them). An output written
+    into a donated parameter's buffer is not.
+
+    Args:
+      op_buffers: op index -> arena view index (before donated buffers are added).
+      plan: op index -> donated parameter whose buffer receives its result.
+    """
+    links = shares(lw.ops, op_buffers)
+    for op in lw.ops:
+        if op.alias_of >= 0:
+            links[op.out] = (*links.get(op.out, ()), op.alias_of)
+    held = set(lw.folded) | {lw.ops[k].out for k in op_buffers}
+    held |= {s for n, s in lw.param_slots.items() if n not in donated}
+    written = {lw.ops[k].out for k in plan}
+    return tuple(s not in written and bool(_memory_of(s, links) & held) for s in output_slots)
+
+
+def _memory_of(slot: int, links: dict[int, tuple[int, ...]]) -> set[int]:
+    """``slot`` and every slot whose memory it may share (transitively through ``links``)."""
+    seen: set[int] = set()
+    stack = [slot]
+    while stack:
+        s = stack.pop()
+        if s not in seen:
+            seen.add(s)
+            stack.extend(links.get(s, ()))
+    return seen
+
+
+def shares(ops: list, op_buffers: dict[int, int]) -> dict[int, tuple[int, ...]]:
+    """Per result slot, the operand slots whose memory the result may be a view of.
+
+    An op outside ``fusions.FRESH_OPCODES``, not in place and without an arena view may
+    return a view of any operand (reshape, slice, dynamic-slice, ...).
+    """
+    out: dict[int, tuple[int, ...]] = {}
+    for k, op in enumerate(ops):
+        if (op.alias_of < 0 and "spec" not in op.extra and k not in op_buffers and op.fn is None
+              and op.inst.opcode not in fusions.FRESH_OPCODES):
+            out[op.out] = tuple(op.ins)
+    return out
+
+
+_PARAM_VIEW_OPCODES = frozenset({"slice", "dynamic-slice"})
+
+
+def mark_parameter_views(lw, donated: frozenset[int]) -> None:
+    """Slices of parameters (static, or at offsets folded at lowering time) stay views.
+
+    Their kernels return a view of the operand when given no arena view, so the slice is
+    free (cuBLAS and the peer copies read strided rows); a parameter's memory is the caller's
+    and nothing in the call writes it unless it is donated.
+    """
+    params = {s for n, s in lw.param_slots.items() if n not in donated}
+    for op in lw.ops:
+        if (op.inst.opcode in _PARAM_VIEW_OPCODES and op.fn is None and op.ins and op.ins[0] in params
+                and all(s in lw.folded for s in op.ins[1:])):
+            op.extra["view"] = True
