@@ -119,10 +119,16 @@ def _attention(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
     q, k, v = operands[:3]
     mask = operands[3] if config.get("has_mask", len(operands) > 3) else None
     scale = config.get("scale")
-    return F.scaled_dot_product_attention(
+    lead = q.shape[:-2]
+    if q.dim() != 4:  # PyTorch's fused (flash / memory-efficient) kernels take [B, H, S, D] only
+        q, k, v = (t.reshape(-1, 1, *t.shape[-2:]) if t.dim() < 4 else t.flatten(0, -4) for t in (q, k, v))
+        if mask is not None and mask.dim() > 2:
+            mask = mask.expand(*lead, *mask.shape[-2:]).reshape(*q.shape[:-2], *mask.shape[-2:])
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=bool(config.get("is_causal", False)),
         scale=None if scale is None else float(scale),
     )
+    return out.reshape(*lead, *out.shape[-2:])
 
 
 def _gelu(operands: list[torch.Tensor], config: Config) -> torch.Tensor:

@@ -40,3 +40,26 @@ def test_kernels_match_torch():
     q2 = torch.randn(2, 3, 6, 8)
     torch.testing.assert_close(run("attention", [q2, k, v], {"is_causal": True}),
                                F.scaled_dot_product_attention(q2, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (4, 16, 8), (2, 3, 4, 16, 8)])
+@pytest.mark.parametrize("mask_kind", [None, "2d", "full"])
+def test_attention_any_rank_goes_through_4d(shape, mask_kind):
+    """Attention of rank != 4 (run as [B, H, S, D] for PyTorch's fused kernels) equals the math form."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64) for _ in range(3))
+    ops, cfg = [q, k, v], {"scale": 0.3}
+    scores = (q @ k.transpose(-1, -2)) * 0.3
+    if mask_kind is not None:
+        mshape = shape[-2:-1] * 2 if mask_kind == "2d" else (*shape[:-1], shape[-2])
+        mask = torch.randn(mshape, generator=gen, dtype=torch.float64)
+        ops.append(mask)
+        cfg["has_mask"] = True
+        scores = scores + mask
+    want = torch.softmax(scores, -1) @ v
+    got = CUSTOM_CALLS["attention"].fn(ops, cfg)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    # strided (transposed-view) operands, as the runtime passes views
+    qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    torch.testing.assert_close(CUSTOM_CALLS["attention"].fn([qt, *ops[1:]], cfg), want)
