@@ -172,21 +172,27 @@ def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[l
         res = common.run_child(name, cmd, box, common.child_env(extra, drop))
         records += res.records
         status.append(_status(res))
-        if name == "local" and not res.ok and not common.terminated():
-            records += _rerun_local(args, res, deadline, status)
+        if not res.ok and not common.terminated():
+            records += _rerun(args, name, res, deadline, status, no_spmd=name == "local")
     return records, status
 
 
-def _rerun_local(args: argparse.Namespace, res: common.ChildResult, deadline: common.Deadline,
-                 status: list[dict]) -> list[dict]:
-    """After a local-worker crash, measure the unfinished shapes again without spmd (time permitting)."""
+def _rerun(args: argparse.Namespace, name: str, res: common.ChildResult, deadline: common.Deadline,
+           status: list[dict], no_spmd: bool = False) -> list[dict]:
+    """Run child ``name`` once more on the shapes it did not finish; returns the new records.
+
+    The shape it was working on when it failed goes last, so that a shape that hangs again costs
+    only itself. ``no_spmd``: the local child without spmd variants (after an spmd crash).
+    """
     done = {(r["side"], shape_key(r["shape"])) for r in res.records if r.get("kind") == "cm-done"}
     missing = [tuple(s) for s in args.shapes if any((side, tuple(s)) not in done for side in args.sides)]
-    box = (deadline.left() - args.reserve_s) * 0.3
-    if not missing or box < 60 or args.no_spmd:
+    if len(missing) > 1:
+        missing = missing[1:] + missing[:1]
+    box = (deadline.left() - args.reserve_s) * 0.5
+    if not missing or box < 60 or (no_spmd and args.no_spmd):
         return []
-    cmd, extra, drop = plan_children(args, missing, no_spmd=True)["local"]
-    again = common.run_child("local-nospmd", [*cmd, "--budget-s", str(box - STARTUP_S)], box,
+    cmd, extra, drop = plan_children(args, missing, no_spmd=no_spmd)[name]
+    again = common.run_child(f"{name}-again", [*cmd, "--budget-s", str(box - STARTUP_S)], box,
                              common.child_env(extra, drop))
     status.append(_status(again))
     return [r for r in again.records if (r.get("side"), shape_key(r.get("shape", ()))) not in done]

@@ -191,7 +191,10 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], devices: Sequence[Any
     per_round: dict[str, list[float]] = {name: [] for name in variants}
     walls: dict[str, list[float]] = {name: [] for name in variants}
     errors: dict[str, str] = {}
-    for _ in range(rounds):
+    t_start = time.perf_counter()
+    for r in range(rounds):
+        if log and r:
+            log(f"round {r}/{rounds} done after {time.perf_counter() - t_start:.1f} s")
         for name, fn in variants.items():
             if name in errors:
                 continue

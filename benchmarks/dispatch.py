@@ -34,7 +34,10 @@ from benchmarks import common, reporting
 
 WORKLOAD_NAMES = ("add", "mlp", "block", "minilm")
 SOURCES = {"torch-eager": "torch eager (1 GPU)", "spmd-eager": "spmd eager", "spmd-graphs": "spmd graphs",
-           "jax": "JAX jit"}
+           "spmd-graphs-1gpu": "spmd graphs (1 GPU)", "jax": "JAX jit"}
+#: --matmul-precision -> (torch.set_float32_matmul_precision, jax_default_matmul_precision): same math
+#: on both sides (torch's default is full float32; JAX's default on these GPUs is TF32).
+PRECISIONS = {"highest": ("highest", "float32"), "high": ("high", "tensorfloat32")}
 SHARES = {"torch-eager": 0.25, "spmd": 0.6, "jax": 1.0}
 STARTUP_S = 20.0
 
@@ -92,9 +95,8 @@ def _place(spmd: Any, mesh: Any, value: Any, spec: Any) -> Any:
 
 
 def spmd_worker(args: argparse.Namespace) -> None:
-    """Measure spmd eager and spmd with CUDA graphs on every workload (records emitted)."""
-    import torch
-
+    """Measure spmd eager and spmd with CUDA graphs on every workload, and MiniLM with graphs on
+    one GPU (records emitted)."""
     from benchmarks.cm_local import make_mesh, resolve_devices
 
     seed = args.seed if args.seed is not None else common.fresh_seed()
@@ -110,40 +112,67 @@ def spmd_worker(args: argparse.Namespace) -> None:
                 fail(src, wl, exc)
         return
     sync = lambda: common.synchronize(devices)  # noqa: E731
+    set_torch_precision(args.matmul_precision)
     for wl in args.workloads:
+        _measure_spmd(spmd, mesh, cases, wl, sync, args)
+    if "minilm" in args.workloads and args.device == "cuda" and len(devices) > 1:
         try:
-            fn, xs, in_sh, out_sh, ref = cases[wl]()
-            placed = [_place(spmd, mesh, x, s) for x, s in zip(xs, in_sh, strict=True)]
+            mesh1 = make_mesh(spmd, devices[:1])
+            cases1 = spmd_cases(spmd, mesh1, devices[0], seed)
         except Exception as exc:
-            for src in ("spmd-eager", "spmd-graphs"):
-                fail(src, wl, exc)
+            fail("spmd-graphs-1gpu", "minilm", exc)
+            return
+        _measure_spmd(spmd, mesh1, cases1, "minilm", lambda: common.synchronize(devices[:1]), args,
+                      variants=(("spmd-graphs-1gpu", True),))
+
+
+def set_torch_precision(name: str) -> None:
+    """Apply ``--matmul-precision`` to PyTorch (``torch.set_float32_matmul_precision``)."""
+    import torch
+
+    torch.set_float32_matmul_precision(PRECISIONS[name][0])
+
+
+def _measure_spmd(spmd: Any, mesh: Any, cases: dict, wl: str, sync: Callable[[], None], args: argparse.Namespace,
+                  variants: Sequence[tuple[str, bool]] = (("spmd-eager", False), ("spmd-graphs", True))) -> None:
+    """Compile ``wl`` on ``mesh`` once per (source, cuda_graphs) variant and measure each."""
+    import torch
+
+    try:
+        fn, xs, in_sh, out_sh, ref = cases[wl]()
+        placed = [_place(spmd, mesh, x, s) for x, s in zip(xs, in_sh, strict=True)]
+    except Exception as exc:
+        for src, _ in variants:
+            fail(src, wl, exc)
+        return
+    for src, graphs in variants:
+        try:
+            f = spmd.jit(fn, mesh=mesh, in_shardings=in_sh, out_shardings=out_sh,
+                         options=spmd.CompileOptions(cuda_graphs=graphs))
+            out = f(*placed)
+            sync()
+            extra = {"rel_err": common.rel_error(out.to_torch().float(), ref.float())}
+        except Exception as exc:
+            fail(src, wl, exc)
             continue
-        for src, graphs in (("spmd-eager", False), ("spmd-graphs", True)):
-            try:
-                f = spmd.jit(fn, mesh=mesh, in_shardings=in_sh, out_shardings=out_sh,
-                             options=spmd.CompileOptions(cuda_graphs=graphs))
-                out = f(*placed)
-                sync()
-                extra = {"rel_err": common.rel_error(out.to_torch().float(), ref.float())}
-            except Exception as exc:
-                fail(src, wl, exc)
-                continue
-            measure(src, wl, lambda f=f, a=placed: f(*a), sync, args, extra)
-        del placed
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        measure(src, wl, lambda f=f, a=placed: f(*a), sync, args, extra)
+    del placed
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[list[dict], list[dict]]:
     """Run torch eager, spmd and JAX children in turn, each time-boxed; returns (records, status)."""
     py = sys.executable
     base = ["--tp", str(args.tp), "--calls", str(args.calls), "--rounds", str(args.rounds),
-            "--device", args.device, "--workloads", ",".join(args.workloads)]
+            "--device", args.device, "--workloads", ",".join(args.workloads),
+            "--matmul-precision", args.matmul_precision]
     cmds = {
         "torch-eager": [py, "-m", "benchmarks.anchors.torch_eager", *base],
         "spmd": [py, "-m", "benchmarks.dispatch", "--worker", *base],
         "jax": [py, "-m", "benchmarks.anchors.jax_xla", "--bench", "dispatch", "--label", "jax",
-                "--tp", str(args.tp), "--calls", str(args.calls), "--rounds", str(args.rounds)],
+                "--tp", str(args.tp), "--calls", str(args.calls), "--rounds", str(args.rounds),
+                "--matmul-precision", args.matmul_precision],
     }
     records, status = [], []
     for name in [n for n in SHARES if n not in args.skip]:
@@ -178,8 +207,10 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
     headers, rows = table(records, args.workloads)
     title = f"dispatch, tp={args.tp}: host µs per call, enqueue-only / synced"
     reporting.print_table(title, headers, rows)
-    lines = [_note(r) for r in records
-             if r.get("kind") == "dispatch" and (r.get("error") or r.get("rel_err") is not None)]
+    lines = [f"float32 GEMMs at matmul precision {args.matmul_precision!r} in every column "
+             f"(torch {PRECISIONS[args.matmul_precision][0]!r}, JAX {PRECISIONS[args.matmul_precision][1]!r})"]
+    lines += [_note(r) for r in records if r.get("kind") == "dispatch"
+              and (r.get("error") or r.get("rel_err") is not None or r.get("rel_err_vs_f32") is not None)]
     for line in lines:
         print("  " + line)
     reporting.write_json(Path(args.out) / "dispatch_results.json",
@@ -193,6 +224,8 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
 def _note(r: dict[str, Any]) -> str:
     if r.get("error"):
         return f"{r['source']}/{r['workload']}: n/a: {r['error'][:200]}"
+    if r.get("rel_err") is None:
+        return f"{r['source']}/{r['workload']}: rel. distance to its own full-float32 result {r['rel_err_vs_f32']:.1e}"
     return f"{r['source']}/{r['workload']}: rel. error vs torch float32 {r['rel_err']:.1e}"
 
 
@@ -211,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[])
     ap.add_argument("--out", default="/tmp/spmd_bench_out")
     ap.add_argument("--doc", default=None)
+    ap.add_argument("--matmul-precision", choices=tuple(PRECISIONS), default="highest",
+                    help="float32 GEMM math on every side: highest = full float32 (PyTorch's default), "
+                         "high = TF32 (JAX's default on these GPUs)")
     return ap
 
 

@@ -14,7 +14,9 @@ show whether the flags took effect. ``--label`` names the source in the records.
 JAX has no device events here: a variant's time is the host time of ``reps`` back-to-back calls
 ended by one ``block_until_ready``, divided by ``reps`` (per round; median over interleaved
 rounds). Dispatch (``--bench dispatch``): enqueue-only and synced host time per call of the
-``benchmarks.workloads`` programs written in ``jax.numpy`` with the same shardings.
+``benchmarks.workloads`` programs written in ``jax.numpy`` with the same shardings, float32
+GEMMs at ``--matmul-precision`` (default full float32, as PyTorch's default; JAX's own default
+on these GPUs is TF32); each record carries its relative distance to the full-float32 result.
 """
 
 from __future__ import annotations
@@ -139,11 +141,15 @@ def jnp_workloads() -> dict[str, Callable]:
 def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None:
     """Host time per call of each workload under ``jax.jit`` with the workloads' shardings."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from benchmarks.dispatch import PRECISIONS
     from benchmarks.workloads import WORKLOADS
+
+    precision = PRECISIONS[getattr(args, "matmul_precision", "highest")][1]
 
     spec = lambda entries: NamedSharding(mesh, P(*[None if e is None else "x" for e in entries]))  # noqa: E731
     rng = np.random.default_rng(seed)
@@ -152,15 +158,21 @@ def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None
         try:
             xs = [jax.device_put((rng.standard_normal(s) / math.sqrt(s[-1])).astype(np.float32), spec(sp))
                   for s, sp in zip(wl.shapes, wl.specs, strict=True)]
-            f = jax.jit(fn, in_shardings=tuple(spec(sp) for sp in wl.specs), out_shardings=spec(wl.out_spec))
-            last: list[Any] = [f(*xs)]
+            shardings = {"in_shardings": tuple(spec(sp) for sp in wl.specs), "out_shardings": spec(wl.out_spec)}
+            with jax.default_matmul_precision(precision):
+                f = jax.jit(fn, **shardings)
+                last: list[Any] = [f(*xs)]
+            with jax.default_matmul_precision("float32"):
+                ref = jax.jit(fn, **shardings)(*xs)
+            rel_err = float(jnp.linalg.norm(last[0] - ref) / jnp.linalg.norm(ref))
 
             def call(f=f, xs=xs, last=last):
                 last[0] = f(*xs)
 
             enq, syn = common.host_call_times(call, lambda last=last: last[0].block_until_ready(),
                                               calls=args.calls, rounds=args.rounds)
-            rec = {"enqueue_us": enq, "synced_us": syn, "error": None}
+            rec = {"enqueue_us": enq, "synced_us": syn, "error": None, "rel_err_vs_f32": rel_err,
+                   "matmul_precision": precision}
         except Exception as exc:
             rec = {"enqueue_us": None, "synced_us": None, "error": f"{type(exc).__name__}: {exc}"[:400]}
         common.emit({"kind": "dispatch", "source": label, "workload": name, **rec})
@@ -177,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench", choices=("cm", "dispatch"), default="cm")
     ap.add_argument("--label", default="xla")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
+                    help="dispatch: float32 GEMM math, as benchmarks/dispatch.py --matmul-precision")
     args = ap.parse_args(argv)
     import jax
     import numpy as np

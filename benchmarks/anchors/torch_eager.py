@@ -14,7 +14,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import common
-from benchmarks.dispatch import fail, measure, parse_args
+from benchmarks.dispatch import fail, measure, parse_args, set_torch_precision
 
 SOURCE = "torch-eager"
 
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else common.fresh_seed()
     sync = lambda: common.synchronize([device])  # noqa: E731
     torch.set_grad_enabled(False)
+    set_torch_precision(args.matmul_precision)
     for name in args.workloads:
         try:
             if name == "minilm":

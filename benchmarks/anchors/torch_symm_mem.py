@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = common.Deadline(args.budget_s)
     seed = (args.seed if args.seed is not None else common.fresh_seed()) + 7919 * rank
     combine = _max_over_ranks(device)
+    _reserve_workspace(group_name, args.shapes, tp)
     for i, shape in enumerate(args.shapes):
         go = torch.tensor([0 if deadline.expired(args.margin_s) else 1], device=device)
         dist.broadcast(go, 0)  # every rank takes the same decision
@@ -138,14 +140,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _reserve_workspace(group_name: str, shapes, tp: int) -> None:
+    """Allocate the group's symmetric-memory workspace once, for the largest shape.
+
+    The fused ops grow the workspace on demand (a new allocation and rendezvous on every rank);
+    doing it once up front keeps that out of the timed calls. Bytes: the largest gathered
+    operand or full-size float32 partial product over all shapes.
+    """
+    import torch.distributed._symmetric_memory as symm_mem
+
+    get = getattr(symm_mem, "get_symm_mem_workspace", None)
+    if get is None:
+        return
+    size = max(m * max(k, n) * 4 for m, k, n in shapes)
+    t0 = time.perf_counter()
+    get(group_name, size)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[torch] symmetric-memory workspace of {size / 2**20:.0f} MiB in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+
+
 def _run_side(side, shape, tp, device, seed, group_name, args, rank, combine) -> None:
+    log = (lambda s: print(f"[torch {side} {shape}] {s}", flush=True)) if rank == 0 else (lambda s: None)
+    t0 = time.perf_counter()
     variants, check = _variants(side, shape, tp, device, seed, group_name)
     info: dict[str, Any] = {}
     try:
         info["rel_err"] = check()
     except Exception as exc:  # the fused op may be missing in this torch build: time the rest
         info["check_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    log = (lambda s: print(s, flush=True)) if rank == 0 else None
+    log(f"inputs and check done in {time.perf_counter() - t0:.1f} s")
     results = common.interleaved(variants, [device], rounds=args.rounds, warmup=args.warmup,
                                  reps=reps_for(shape, tp, args.reps), log=log, combine=combine)
     if rank != 0:
