@@ -68,7 +68,9 @@ _Users = dict[Instruction, list[Instruction]]
 
 @dataclass(frozen=True)
 class FuseAttention:
-    """The fuse-attention pass (see the module docstring). No options.
+    """The fuse-attention pass (see the module docstring).
+
+    enabled: False leaves every module unchanged (``CompileOptions.fuse_attention``).
 
     ``run(module)`` rewrites ``module`` in place and returns it.
     Raises ValueError (in ``run``) for a module that is not partitioned: the attention custom
@@ -76,10 +78,13 @@ class FuseAttention:
     """
 
     name: ClassVar[str] = "fuse-attention"
+    enabled: bool = True
 
     def run(self, module: Module) -> Module:
         if not module.is_partitioned:
             raise ValueError(f"module {module.name!r} is not partitioned; fuse-attention runs after spmd-partition")
+        if not self.enabled:
+            return module
         comp = module.entry
         builder = Builder(module, comp)
         users = comp.users()

@@ -2,7 +2,8 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → windowed-einsum → assign-streams → schedule
+    import → propagate-sharding → spmd-partition → windowed-einsum → merge-dots
+           → fuse-attention → assign-streams → schedule
 
 followed by the ``assign-buffers`` analysis. After each pass the module is
 verified when ``CompileOptions.verify`` is on (tests and ``SPMD_VERIFY=1``),
@@ -27,7 +28,8 @@ from spmd.ir.verify import verify_module
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "windowed-einsum", "assign-streams", "schedule")
+STAGES = ("import", "propagate-sharding", "spmd-partition", "windowed-einsum", "merge-dots", "fuse-attention",
+          "assign-streams", "schedule")
 
 
 @dataclass(frozen=True)
@@ -44,18 +46,25 @@ class CompileOptions:
         None lets the cost model choose per site.
       cuda_graphs: capture the executable into CUDA graphs on GPU meshes; None
         = on where it helps (GPU meshes), False = always eager.
+      merge_dots: merge small dots that share an operand into one dot on concatenated
+        operands (``spmd.passes.merge_dots``; the stage then leaves the module as is when False).
+      fuse_attention: rewrite dot -> scale -> softmax -> dot into one attention custom call
+        (``spmd.passes.fuse_attention``).
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
       ValueError: for an unknown ``windowed_einsum`` mode or a
         ``num_compute_streams`` < 1.
-      TypeError: ``bidirectional``, ``cuda_graphs`` or ``verify`` not a bool or None.
+      TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots`` or
+        ``fuse_attention`` not a bool (or None where allowed).
     """
 
     windowed_einsum: str = "auto"
     bidirectional: bool | None = None
     num_compute_streams: int | None = None
     cuda_graphs: bool | None = None
+    merge_dots: bool = True
+    fuse_attention: bool = True
     dump_dir: str | None = None
     verify: bool | None = None
 
@@ -65,6 +74,9 @@ class CompileOptions:
         for name in ("bidirectional", "cuda_graphs", "verify"):
             if getattr(self, name) not in (None, True, False):
                 raise TypeError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+        for name in ("merge_dots", "fuse_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_compute_streams is not None and self.num_compute_streams < 1:
             raise ValueError(f"num_compute_streams must be >= 1, got {self.num_compute_streams}")
 
@@ -91,6 +103,8 @@ class PipelineResult:
 def build_passes(options: CompileOptions) -> list:
     """The pass objects for ``options``, in run order."""
     from spmd.passes.assign_streams import AssignStreams
+    from spmd.passes.fuse_attention import FuseAttention
+    from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.schedule import Schedule
     from spmd.passes.spmd_partition import SpmdPartition
@@ -106,6 +120,8 @@ def build_passes(options: CompileOptions) -> list:
         PropagateSharding(dot_gather_discount=discount),
         SpmdPartition(dot_gather_discount=discount),
         WindowedEinsum(**we_kwargs),
+        MergeDots(enabled=options.merge_dots),
+        FuseAttention(enabled=options.fuse_attention),
         AssignStreams(**streams_kwargs),
         Schedule(),
     ]
