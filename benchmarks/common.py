@@ -221,25 +221,28 @@ def interleaved(variants: Mapping[str, Callable[[], Any]], devices: Sequence[Any
 
 
 def host_call_times(fn: Callable[[], Any], sync: Callable[[], None], *, calls: int = 200,
-                    rounds: int = 5, warmup: int = 20) -> tuple[float, float]:
-    """Host cost of one call of ``fn`` in µs: (enqueue-only, synced), each a median over rounds.
+                    rounds: int = 5, warmup: int = 20) -> tuple[float, float, float]:
+    """Time per call of ``fn`` in µs: (enqueue-only, throughput, synced), each a median over rounds.
 
-    Enqueue-only: ``calls`` calls back to back with no sync, host time divided by ``calls``,
-    then one ``sync()`` outside the timed region. Synced: per call, ``fn(); sync()`` timed on
-    the host clock; median over the calls of a round.
+    Enqueue-only: host time of ``calls`` calls back to back with no sync, divided by ``calls``
+    (the host's own cost, until the device's launch queue fills). Throughput: the same calls
+    plus one final ``sync()``, divided by ``calls`` (steady-state time per call: the larger of
+    host and device time). Synced: per call, ``fn(); sync()`` timed on the host clock; median
+    over the calls of a round.
     """
     if calls < 1 or rounds < 1:
         raise ValueError(f"host_call_times: expected calls>=1, rounds>=1, got {calls}, {rounds}")
     for _ in range(warmup):
         fn()
     sync()
-    enqueue, synced = [], []
+    enqueue, throughput, synced = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         enqueue.append((time.perf_counter() - t0) * 1e6 / calls)
         sync()
+        throughput.append((time.perf_counter() - t0) * 1e6 / calls)
         per_call = []
         for _ in range(max(1, calls // 4)):
             t0 = time.perf_counter()
@@ -247,10 +250,7 @@ def host_call_times(fn: Callable[[], Any], sync: Callable[[], None], *, calls: i
             sync()
             per_call.append((time.perf_counter() - t0) * 1e6)
         synced.append(median(per_call))
-    return median(enqueue), median(synced)
-
-
-# ----------------------------------------------------------------------------- data
+    return median(enqueue), median(throughput), median(synced)
 
 
 def fresh_seed() -> int:

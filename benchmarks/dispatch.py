@@ -46,10 +46,11 @@ def measure(source: str, workload: str, fn: Callable[[], Any], sync: Callable[[]
             args: argparse.Namespace, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Time ``fn`` with :func:`common.host_call_times`, emit and return a record; never raises."""
     try:
-        enq, syn = common.host_call_times(fn, sync, calls=args.calls, rounds=args.rounds)
-        rec = {"enqueue_us": enq, "synced_us": syn, "error": None}
+        enq, thru, syn = common.host_call_times(fn, sync, calls=args.calls, rounds=args.rounds)
+        rec = {"enqueue_us": enq, "throughput_us": thru, "synced_us": syn, "error": None}
     except Exception as exc:  # one failure costs one cell
-        rec = {"enqueue_us": None, "synced_us": None, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        rec = {"enqueue_us": None, "throughput_us": None, "synced_us": None,
+               "error": f"{type(exc).__name__}: {exc}"[:400]}
     rec = {"kind": "dispatch", "source": source, "workload": workload, **rec, **(extra or {})}
     common.emit(rec)
     return rec
@@ -187,17 +188,18 @@ def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[l
 
 
 def table(records: Sequence[dict], workloads: Sequence[str]) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: one row per workload, per source a cell ``enqueue / synced`` µs."""
+    """Headers and rows: one row per workload, per source a cell ``enqueue / throughput / synced`` µs."""
     idx = {(r.get("source"), r.get("workload")): r for r in records if r.get("kind") == "dispatch"}
     sources = [s for s in SOURCES if any((s, w) in idx for w in workloads)]
-    headers = ["workload", *[f"{SOURCES[s]} enq / sync µs" for s in sources]]
+    headers = ["workload", *[f"{SOURCES[s]} enq / thru / sync µs" for s in sources]]
     rows = []
     for w in workloads:
         row = [w]
         for s in sources:
             r = idx.get((s, w), {})
-            enq, syn = r.get("enqueue_us"), r.get("synced_us")
-            row.append("n/a" if enq is None or syn is None else f"{enq:.1f} / {syn:.1f}")
+            enq, thru, syn = r.get("enqueue_us"), r.get("throughput_us"), r.get("synced_us")
+            row.append("n/a" if enq is None or syn is None else
+                       f"{enq:.1f} / {'?' if thru is None else f'{thru:.1f}'} / {syn:.1f}")
         rows.append(row)
     return headers, rows
 
@@ -205,7 +207,7 @@ def table(records: Sequence[dict], workloads: Sequence[str]) -> tuple[list[str],
 def report(records: list[dict], status: list[dict], args: argparse.Namespace, info: dict[str, Any]) -> None:
     """Print the table and notes, write dispatch_results.json, append the docs row set."""
     headers, rows = table(records, args.workloads)
-    title = f"dispatch, tp={args.tp}: host µs per call, enqueue-only / synced"
+    title = f"dispatch, tp={args.tp}: µs per call, enqueue-only / throughput / synced"
     reporting.print_table(title, headers, rows)
     lines = [f"float32 GEMMs at matmul precision {args.matmul_precision!r} in every column "
              f"(torch {PRECISIONS[args.matmul_precision][0]!r}, JAX {PRECISIONS[args.matmul_precision][1]!r})"]

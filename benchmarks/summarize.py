@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.dispatch import table
 
             headers, rows = table(results.get("records", []), results.get("args", {}).get("workloads", []))
-            reporting.print_table("dispatch: host µs per call, enqueue / synced", headers, rows)
+            reporting.print_table("dispatch: µs per call, enqueue / throughput / synced", headers, rows)
         for line in failed_children(results):
             print(f"  child failed: {line}")
     return 0

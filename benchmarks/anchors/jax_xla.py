@@ -169,9 +169,9 @@ def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None
             def call(f=f, xs=xs, last=last):
                 last[0] = f(*xs)
 
-            enq, syn = common.host_call_times(call, lambda last=last: last[0].block_until_ready(),
+            enq, thru, syn = common.host_call_times(call, lambda last=last: last[0].block_until_ready(),
                                               calls=args.calls, rounds=args.rounds)
-            rec = {"enqueue_us": enq, "synced_us": syn, "error": None, "rel_err_vs_f32": rel_err,
+            rec = {"enqueue_us": enq, "throughput_us": thru, "synced_us": syn, "error": None, "rel_err_vs_f32": rel_err,
                    "matmul_precision": precision}
         except Exception as exc:
             rec = {"enqueue_us": None, "synced_us": None, "error": f"{type(exc).__name__}: {exc}"[:400]}

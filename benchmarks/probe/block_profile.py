@@ -60,9 +60,23 @@ def kernel_table(fn, calls: int = 20) -> dict[int, list[tuple[str, int, float]]]
         for i in range(torch.cuda.device_count()):
             torch.cuda.synchronize(i)
     acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    spans: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             acc[ev.device_index][ev.name[:90]].append(ev.device_time if hasattr(ev, "device_time") else ev.cuda_time)
+            spans[ev.device_index].append((ev.time_range.start, ev.time_range.end, ev.name[:60]))
+    for dev, sp in sorted(spans.items()):
+        sp.sort()
+        period = (sp[-1][1] - sp[0][0]) / calls
+        busy = sum(e - s for s, e, _ in sp) / calls
+        pair_gaps: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for a, b in zip(sp, sp[1:]):
+            pair_gaps[(a[2], b[2])].append(b[0] - a[1])
+        top = sorted(pair_gaps.items(), key=lambda kv: -sum(kv[1]))[:8]
+        print(f"   cuda:{dev}: period {period:.1f} µs/call, kernels busy {busy:.1f}, idle {period - busy:.1f}; "
+              f"idle by kernel pair (µs per call, mean gap):")
+        for (before, after), gaps in top:
+            print(f"      {sum(gaps) / calls:6.1f} {sum(gaps) / len(gaps):6.1f}  {before} -> {after}")
     return {dev: sorted(((n, round(len(v) / calls), sum(v) / len(v)) for n, v in names.items()),
                         key=lambda r: -r[1] * r[2])
             for dev, names in sorted(acc.items())}

@@ -76,13 +76,13 @@ def _memory_of(slot: int, links: dict[int, tuple[int, ...]]) -> set[int]:
 def shares(ops: list, op_buffers: dict[int, int]) -> dict[int, tuple[int, ...]]:
     """Per result slot, the operand slots whose memory the result may be a view of.
 
-    An op outside ``fusions.FRESH_OPCODES``, not in place and without an arena view may
+    An op that is not ``fusions.is_fresh``, not in place and without an arena view may
     return a view of any operand (reshape, slice, dynamic-slice, ...).
     """
     out: dict[int, tuple[int, ...]] = {}
     for k, op in enumerate(ops):
         if (op.alias_of < 0 and "spec" not in op.extra and k not in op_buffers and op.fn is None
-              and op.inst.opcode not in fusions.FRESH_OPCODES):
+              and not fusions.is_fresh(op.inst)):
             out[op.out] = tuple(op.ins)
     return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from spmd.ir.hlo import ELEMENTWISE_OPCODES
-from spmd.runtime.fusions import FRESH_OPCODES
+from spmd.runtime.fusions import is_fresh
 
 
 def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[int],
@@ -62,7 +62,7 @@ def _aliases(ops: list, slot: int) -> set[int]:
     """Slots that may share memory with ``slot`` (views, in-place fusions)."""
     out = {slot}
     for op in ops:
-        if op.alias_of in out or ("spec" not in op.extra and op.inst.opcode not in FRESH_OPCODES
+        if op.alias_of in out or ("spec" not in op.extra and not is_fresh(op.inst)
                                   and op.fn is None and any(s in out for s in op.ins)):
             out.add(op.out)
     return out

@@ -33,6 +33,19 @@ from spmd.ir.hlo import ELEMENTWISE_OPCODES
 
 # Opcodes whose kernel result is fresh memory (never a view or an operand): safe to write into.
 FRESH_OPCODES = (ELEMENTWISE_OPCODES - {"convert"}) | {"dot", "dynamic-update-slice", "concatenate"}
+# Custom-call targets whose kernel returns one of its operands (not fresh memory).
+_ALIASING_CUSTOM_CALLS = frozenset({"Sharding"})
+
+
+def is_fresh(inst) -> bool:
+    """Whether the kernel of ``inst`` always returns fresh memory (never a view of an operand).
+
+    ``FRESH_OPCODES``, and custom calls other than the identity ``Sharding`` (their kernels are
+    PyTorch functions returning new tensors).
+    """
+    if inst.opcode == "custom-call":
+        return inst.attrs.get("custom_call_target") not in _ALIASING_CUSTOM_CALLS
+    return inst.opcode in FRESH_OPCODES
 
 
 def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | None = None) -> None:
@@ -125,7 +138,7 @@ def _owned(ops, producer, slot: int) -> bool:
     if p is None:
         return False
     op = ops[p]
-    return "spec" in op.extra or op.alias_of >= 0 or op.inst.opcode in FRESH_OPCODES
+    return "spec" in op.extra or op.alias_of >= 0 or is_fresh(op.inst)
 
 
 def _direct_mm(prod) -> Callable | None:

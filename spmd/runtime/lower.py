@@ -345,7 +345,12 @@ def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:
 
 
 def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaView], dict[int, int]]:
-    """Arena views for ops the BufferAssignment places (outputs never live in the arena)."""
+    """Arena views for ops the BufferAssignment places (outputs never live in the arena).
+
+    Custom calls get none: their kernels are PyTorch functions without an ``out=`` form, so an
+    arena view would cost a copy of every result (one device-to-device memcpy each); they return
+    fresh memory from the caching allocator (the graph's private pool under CUDA graphs).
+    """
     views: list[ArenaView] = []
     op_buffers: dict[int, int] = {}
     if buffers is None:
@@ -358,7 +363,8 @@ def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaVi
     offsets = buffers.offsets_bytes
     for k, op in enumerate(ops):
         name = op.buffer_name
-        if "spec" in op.extra or "view" in op.extra or name is None or name not in offsets or op.out in outputs:
+        if ("spec" in op.extra or "view" in op.extra or name is None or name not in offsets or op.out in outputs
+                or (op.fn is None and op.inst.opcode == "custom-call")):
             continue
         shape = op.inst.shape
         if shape.is_tuple:

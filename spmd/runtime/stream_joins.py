@@ -70,7 +70,7 @@ def _storage_streams(lw) -> dict[int, set[int]]:
         streams = {op.stream}
         if op.alias_of >= 0:
             streams |= out.get(op.alias_of, set())
-        if "spec" not in op.extra and op.inst.opcode not in fusions.FRESH_OPCODES:
+        if "spec" not in op.extra and not fusions.is_fresh(op.inst):
             for s in op.ins:
                 streams |= out.get(s, set())
         out[op.out] = streams

@@ -17,7 +17,7 @@ from spmd.ir.evaluate import evaluate_spmd
 from spmd.ir.text import parse_module, print_module
 from spmd.ir.verify import verify_module
 from spmd.passes import pipeline
-from spmd.passes.fuse_attention import FuseAttention
+from spmd.passes.fuse_attention import DEFAULT_DTYPES, FLOAT_DTYPES, FuseAttention
 
 P = spmd.PartitionSpec
 B, H, SQ, SK, D, DV = 2, 3, 5, 6, 4, 7  # distinct sizes, so that a mixed-up dim shows
@@ -82,7 +82,7 @@ def program(t: str = "f32", kt: str = "transpose", scale: str | None = "divide",
 
 def _fuse(text: str) -> str:
     mod = parse_module(text)
-    FuseAttention().run(mod)
+    FuseAttention(dtypes=FLOAT_DTYPES).run(mod)
     verify_module(mod)
     out = print_module(mod)
     assert print_module(parse_module(out)) == out
@@ -252,7 +252,7 @@ def test_fused_program_computes_the_same(variant):
     ref_mod, mod = parse_module(text), parse_module(text)
     args = _random_args(ref_mod)
     want = evaluate_spmd(ref_mod, args)[0][0]
-    FuseAttention().run(mod)
+    FuseAttention(dtypes=FLOAT_DTYPES).run(mod)
     verify_module(mod)
     opcodes = [i.opcode for i in mod.entry.instructions]
     assert opcodes.count("custom-call") == 1 and "dot" not in opcodes, print_module(mod)
@@ -308,7 +308,7 @@ def test_constant_with_another_use_is_kept():
 def test_unpartitioned_module_is_rejected():
     text = program().replace(", is_partitioned=true", "")
     with pytest.raises(ValueError, match="not partitioned"):
-        FuseAttention().run(parse_module(text))
+        FuseAttention(dtypes=FLOAT_DTYPES).run(parse_module(text))
 
 
 # --------------------------------------------------------------------------- numerics through the pipeline
@@ -320,7 +320,7 @@ def fusing_pipeline(monkeypatch):
     def build(options):
         passes = original(options)
         k = next(i for i, p in enumerate(passes) if p.name == "windowed-einsum") + 1
-        return [*passes[:k], FuseAttention(), *passes[k:]]
+        return [*passes[:k], FuseAttention(dtypes=FLOAT_DTYPES), *passes[k:]]
 
     monkeypatch.setattr(pipeline, "build_passes", build)
     monkeypatch.setattr(sys.modules["spmd.jit"], "_GLOBAL_CACHE", {})
@@ -402,3 +402,16 @@ def test_uneven_heads_and_sharded_queries(fusing_pipeline):
     rows = P(None, None, "tp")  # queries split by sequence, keys and values replicated
     got = _run_fused(attention, 4, args, [rows, P(), P()], rows)
     _check(got, attention(*[x.double() for x in args]), torch.float32)
+
+
+def test_default_dtypes_fuse_16_bit_only():
+    """By default only f16 / bf16 attention is fused (float32 runs faster unfused on GPUs)."""
+    assert {"f16", "bf16"} == DEFAULT_DTYPES
+    wl = WORKLOADS["block"]
+    mesh = spmd.Mesh.create({"tp": 2}, "cpu:2")
+    specs = tuple(spmd.PartitionSpec(*s) for s in wl.specs)
+    for dtype, fused in ((torch.float32, False), (torch.bfloat16, True)):
+        xs = [x.to(dtype) for x in make_inputs(wl, "cpu", 3)]
+        f = spmd.jit(wl.fn, mesh=mesh, in_shardings=specs, out_shardings=spmd.PartitionSpec())
+        text = f.lower(*xs).as_text("fuse-attention")
+        assert ('custom_call_target="attention"' in text) is fused, dtype
