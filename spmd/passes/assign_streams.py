@@ -67,8 +67,21 @@ class AssignStreams:
 
     @property
     def comm_stream(self) -> int:
-        """Stream id of the collective-permutes."""
+        """Stream id of the collective-permutes when ``num_compute_streams`` is fixed (else the
+        most it can be; ``run`` uses one past the compute streams actually advised)."""
         return (self.num_compute_streams or AUTO_MAX_STREAMS) + 1
+
+    def _comm_stream_for(self, units: dict) -> int:
+        """One past the highest compute stream in use: stream ids stay dense (0, 1, .., n+1).
+
+        With gaps (compute stream 1, communication stream 3) the same program measured ~15%
+        slower on 2xH200 (all-gather 16384x8192x4096: 0.85 vs 0.73 ms), so a program the cost
+        model gives one compute stream is exactly the one-compute-stream program.
+        """
+        if self.num_compute_streams is not None:
+            return self.num_compute_streams + 1
+        dots = [next(u for u in unit if u.opcode == "dot") for unit in units.values()]
+        return 1 + max((self._streams_for(d) for d in dots), default=1)
 
     def _streams_for(self, dot: Instruction) -> int:
         if self.num_compute_streams is not None:
@@ -81,6 +94,7 @@ class AssignStreams:
         names = {i.name for c in module.all_computations() for i in c.instructions}
         names |= {c.name for c in module.all_computations()}
         units = self._units(comp)
+        comm_stream = self._comm_stream_for(units)
         fused = {id(i) for unit in units.values() for i in unit[:-1]}
         out: list[Instruction] = []
         repl: dict[int, Instruction] = {}  # id(replaced instruction) -> its *-done
@@ -95,7 +109,7 @@ class AssignStreams:
                 turn += 1
                 old, pair = unit[-1], _wrap_async(module, unit, stream, names)
             elif inst.opcode == "collective-permute":
-                old, pair = inst, _split_permute(inst, self.comm_stream, names)
+                old, pair = inst, _split_permute(inst, comm_stream, names)
             else:
                 if inst.stream_id is None and inst.opcode != "parameter":
                     inst.stream_id = 0

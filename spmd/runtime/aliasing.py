@@ -82,9 +82,40 @@ def shares(ops: list, op_buffers: dict[int, int]) -> dict[int, tuple[int, ...]]:
     out: dict[int, tuple[int, ...]] = {}
     for k, op in enumerate(ops):
         if (op.alias_of < 0 and "spec" not in op.extra and k not in op_buffers and op.fn is None
-              and not fusions.is_fresh(op.inst)):
+              and not fusions.is_fresh(op.inst) and "materialize" not in op.extra):
             out[op.out] = tuple(op.ins)
     return out
+
+
+def mark_materialized(lw, op_buffers: dict[int, int]) -> None:
+    """Ops that might return a view of arena memory but are not views for the buffer assignment.
+
+    The buffer assignment lets an operand's arena bytes be reused right after its last reader
+    unless that reader is a view (``spmd.passes.views``). An op outside that analysis whose
+    kernel may still return a view of its operand (a slice or reshape whose result is a
+    program output, the identity ``Sharding`` custom call, ...) therefore gets
+    ``extra["materialize"]``: its kernel copies a result that shares storage with an operand
+    (``materializing``), so later writes into the reused bytes cannot reach it.
+    """
+    links = shares(lw.ops, op_buffers)
+    arena = {lw.ops[k].out for k in op_buffers}
+    for op in lw.ops:
+        if op.out in links and "view" not in op.extra and any(_memory_of(s, links) & arena for s in op.ins):
+            op.extra["materialize"] = True
+
+
+def materializing(fn):
+    """``fn`` (a kernel ``(operands, out) -> result``) that never returns an operand's memory."""
+    import torch
+
+    def kernel(ops: list, out: Any) -> Any:
+        result = fn(ops, out)
+        if out is None and isinstance(result, torch.Tensor):
+            ptr = result.untyped_storage().data_ptr()
+            if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in ops):
+                result = result.clone(memory_format=torch.contiguous_format)
+        return result
+    return kernel
 
 
 _PARAM_VIEW_OPCODES = frozenset({"slice", "dynamic-slice"})

@@ -310,6 +310,7 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     aliasing.mark_parameter_views(lw, donated)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
+    aliasing.mark_materialized(lw, op_buffers)
     plan = plan_donation(lw.ops, [lw.param_slots[i] for i in range(len(params))], output_slots, donated)
     clone = aliasing.output_clones(lw, output_slots, op_buffers, donated, plan)
     for t, k in enumerate(sorted(plan)):
@@ -401,7 +402,8 @@ def _kernel(op: Op, dev: Any):
 
     if "view" in op.extra and op.inst.opcode in VIEW_KERNEL_OPCODES:
         return compile_view_kernel(op.inst)
-    return compile_kernel(op.inst, dev)
+    fn = compile_kernel(op.inst, dev)
+    return aliasing.materializing(fn) if "materialize" in op.extra else fn
 
 
 def _work(op: Op) -> int:
