@@ -153,7 +153,7 @@ def plan_children(args: argparse.Namespace, shapes: Sequence[tuple[int, ...]], n
 
 
 #: Share of the time left that each child may use, in run order.
-SHARES = {"local": 0.45, "torch": 0.4, "xla": 0.5, "xla-windowed": 1.0}
+SHARES = {"local": 0.45, "torch": 0.4, "xla": 0.7, "xla-windowed": 1.0}
 STARTUP_S = 25.0  # child start-up + margin between its own budget and the hard time box
 
 
