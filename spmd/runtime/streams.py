@@ -7,36 +7,14 @@ the arguments' ready events) and joins them back into it at its end, as XLA's GP
 does around a thunk sequence. Because every stream starts each call behind the previous
 call's join, memory freed at the end of a call (values, arena views) is reused only after
 every stream is done with it.
-
-Streams come from a per-thread pool (``pooled_stream``): every executable built in one thread
-uses the same stream for the same (device, stream id). CUDA maps streams onto a few hardware
-queues (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default) in creation order, so a process that
-creates new streams for every executable soon has a compute stream and a communication stream
-sharing a queue, which serialises the transfers of a windowed einsum behind its GEMMs: on
-2xH200 the same one-compute-stream program measured 0.85 ms instead of 0.73 ms (all-gather
-16384x8192x4096) when it was the fourth executable of the process.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-_POOL: dict[tuple[int, int | None, Hashable], torch.cuda.Stream] = {}
-_POOL_LOCK = threading.Lock()
-
-
-def pooled_stream(device: torch.device, key: Hashable) -> torch.cuda.Stream:
-    """This thread's stream ``key`` on ``device`` (created on first use, then shared)."""
-    k = (threading.get_ident(), device.index, key)
-    with _POOL_LOCK:
-        stream = _POOL.get(k)
-        if stream is None:
-            stream = _POOL[k] = torch.cuda.Stream(device=device)
-    return stream
 
 
 @dataclass(eq=False)
@@ -63,7 +41,7 @@ def create_envs(devices: Sequence[torch.device], pids: Sequence[int], stream_ids
     for dev, pid in zip(devices, pids, strict=False):
         env = DeviceEnv(dev, pid)
         for sid in stream_ids:
-            env.streams[sid] = pooled_stream(dev, sid)
+            env.streams[sid] = torch.cuda.Stream(device=dev)
         with torch.cuda.device(dev):
             env.events = [torch.cuda.Event() for _ in range(num_events)]
             env.fork = torch.cuda.Event()

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from spmd.runtime import streams as st
 from spmd.runtime.comm.base import chunk_index, reduce_stack
 from spmd.runtime.thunks import CollectiveSpec
 
@@ -129,7 +128,7 @@ class CudaCommunicator:
         if key not in self._send:
             dev = self.devices[pid]
             with torch.cuda.device(dev):
-                self._send[key] = (st.pooled_stream(dev, ("send", stream_id)), torch.cuda.Event(), torch.cuda.Event())
+                self._send[key] = (torch.cuda.Stream(device=dev), torch.cuda.Event(), torch.cuda.Event())
         return self._send[key]
 
     def _permute(self, spec: CollectiveSpec, x: list[Tensor], streams: Sequence[Any], stream_id: int) -> list[Tensor]:
