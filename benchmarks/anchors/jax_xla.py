@@ -17,6 +17,9 @@ rounds). Dispatch (``--bench dispatch``): enqueue-only and synced host time per 
 ``benchmarks.workloads`` programs written in ``jax.numpy`` with the same shardings, float32
 GEMMs at ``--matmul-precision`` (default full float32, as PyTorch's default; JAX's own default
 on these GPUs is TF32); each record carries its relative distance to the full-float32 result.
+MiniLM (``benchmarks.anchors.jax_minilm``) runs on the torch workload's weights and tokens,
+placed by ``bert_plan``, and its record also carries ``rel_err_vs_torch``, the relative
+distance to the PyTorch model's float32 output on CPU.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 
+DISPATCH_WORKLOADS = ("add", "mlp", "block", "minilm")
 SPECS = {"ag": (("x", None), (None, "x"), (None, "x")), "rs": ((None, "x"), ("x", None), ("x", None))}
 
 
@@ -138,10 +142,80 @@ def jnp_workloads() -> dict[str, Callable]:
     return {"add": lambda x, y: x + y, "mlp": lambda x, w1, w2: jax.nn.relu(x @ w1) @ w2, "block": block}
 
 
-def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None:
-    """Host time per call of each workload under ``jax.jit`` with the workloads' shardings."""
+def _timed_jit(fn: Callable, xs: Sequence[Any], shardings: dict[str, Any], precision: str,
+               args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    """``jax.jit(fn, **shardings)`` at ``precision``, timed with ``common.host_call_times``.
+
+    Returns (record fields: enqueue/throughput/synced µs, ``rel_err_vs_f32`` against the same
+    program at full float32, ``matmul_precision``; the first output). Exceptions propagate.
+    """
     import jax
     import jax.numpy as jnp
+
+    with jax.default_matmul_precision(precision):
+        f = jax.jit(fn, **shardings)
+        last: list[Any] = [f(*xs)]
+    first = last[0]
+    with jax.default_matmul_precision("float32"):
+        ref = jax.jit(fn, **shardings)(*xs)
+    rel_err = float(jnp.linalg.norm(first - ref) / jnp.linalg.norm(ref))
+    del ref
+
+    def call() -> None:
+        last[0] = f(*xs)
+
+    enq, thru, syn = common.host_call_times(call, lambda: last[0].block_until_ready(),
+                                            calls=args.calls, rounds=args.rounds)
+    return ({"enqueue_us": enq, "throughput_us": thru, "synced_us": syn, "error": None,
+             "rel_err_vs_f32": rel_err, "matmul_precision": precision}, first)
+
+
+def _failed(exc: BaseException) -> dict[str, Any]:
+    return {"enqueue_us": None, "throughput_us": None, "synced_us": None,
+            "error": f"{type(exc).__name__}: {exc}"[:400]}
+
+
+def minilm_fields(mesh: Any, seed: int, args: argparse.Namespace, precision: str) -> dict[str, Any]:
+    """MiniLM under ``jax.jit``: timing fields of :func:`_timed_jit` plus ``rel_err_vs_torch``.
+
+    The model, weights and token batch are ``benchmarks.workloads.minilm_case`` on CPU; the
+    parameters are placed by ``spmd.models.plans.bert_plan`` over mesh axis ``"x"``, ids and
+    mask replicated, output [B, 384] replicated. ``rel_err_vs_torch`` compares the first JAX
+    output with the PyTorch model's float32 output on CPU. Exceptions propagate (ValueError
+    when the head count does not divide by the mesh size).
+    """
+    import jax
+    import numpy as np
+    import torch
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.anchors import jax_minilm as jm
+    from benchmarks.workloads import minilm_case
+    from spmd.ir.sharding import MeshShape
+
+    case = minilm_case("cpu", seed, mesh=MeshShape(("tp",), (mesh.devices.size,)))
+    with torch.no_grad():
+        ref = case.fn(case.params, case.input_ids, case.attention_mask).float()
+    dims, ops = jm.case_dims(case.real_weights), jm.jax_ops()
+    params, ids, mask = jm.case_arrays(case)
+    rep = NamedSharding(mesh, P())
+    p_sh = {k: NamedSharding(mesh, P(*e)) for k, e in jm.jax_param_specs(case.param_specs, "tp", "x").items()}
+    xs = [{k: jax.device_put(v, p_sh[k]) for k, v in params.items()}, jax.device_put(ids, rep),
+          jax.device_put(mask, rep)]
+    fn = lambda p, i, m: jm.sentence_embeddings(ops, p, i, m, dims)  # noqa: E731
+    rec, out = _timed_jit(fn, xs, {"in_shardings": (p_sh, rep, rep), "out_shardings": rep}, precision, args)
+    rec["rel_err_vs_torch"] = common.rel_error(torch.from_numpy(np.asarray(out, dtype=np.float32)), ref)
+    rec["real_weights"] = case.real_weights
+    return rec
+
+
+def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None:
+    """Host time per call of each workload under ``jax.jit`` with the workloads' shardings.
+
+    One record per workload of ``args.workloads`` (default all); a failure is an n/a record.
+    """
+    import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -150,34 +224,28 @@ def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None
     from benchmarks.workloads import WORKLOADS
 
     precision = PRECISIONS[getattr(args, "matmul_precision", "highest")][1]
+    wanted = getattr(args, "workloads", None) or DISPATCH_WORKLOADS
 
     spec = lambda entries: NamedSharding(mesh, P(*[None if e is None else "x" for e in entries]))  # noqa: E731
     rng = np.random.default_rng(seed)
     for name, fn in jnp_workloads().items():
+        if name not in wanted:
+            continue
         wl = WORKLOADS[name]
         try:
             xs = [jax.device_put((rng.standard_normal(s) / math.sqrt(s[-1])).astype(np.float32), spec(sp))
                   for s, sp in zip(wl.shapes, wl.specs, strict=True)]
             shardings = {"in_shardings": tuple(spec(sp) for sp in wl.specs), "out_shardings": spec(wl.out_spec)}
-            with jax.default_matmul_precision(precision):
-                f = jax.jit(fn, **shardings)
-                last: list[Any] = [f(*xs)]
-            with jax.default_matmul_precision("float32"):
-                ref = jax.jit(fn, **shardings)(*xs)
-            rel_err = float(jnp.linalg.norm(last[0] - ref) / jnp.linalg.norm(ref))
-
-            def call(f=f, xs=xs, last=last):
-                last[0] = f(*xs)
-
-            enq, thru, syn = common.host_call_times(call, lambda last=last: last[0].block_until_ready(),
-                                              calls=args.calls, rounds=args.rounds)
-            rec = {"enqueue_us": enq, "throughput_us": thru, "synced_us": syn, "error": None, "rel_err_vs_f32": rel_err,
-                   "matmul_precision": precision}
+            rec, _ = _timed_jit(fn, xs, shardings, precision, args)
         except Exception as exc:
-            rec = {"enqueue_us": None, "synced_us": None, "error": f"{type(exc).__name__}: {exc}"[:400]}
+            rec = _failed(exc)
         common.emit({"kind": "dispatch", "source": label, "workload": name, **rec})
-    common.emit({"kind": "dispatch", "source": label, "workload": "minilm", "enqueue_us": None,
-                 "synced_us": None, "error": "not ported to JAX"})
+    if "minilm" in wanted:
+        try:
+            rec = minilm_fields(mesh, seed, args, precision)
+        except Exception as exc:
+            rec = _failed(exc)
+        common.emit({"kind": "dispatch", "source": label, "workload": "minilm", **rec})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
                     help="dispatch: float32 GEMM math, as benchmarks/dispatch.py --matmul-precision")
+    ap.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=list(DISPATCH_WORKLOADS),
+                    help=f"dispatch: comma-separated subset of {','.join(DISPATCH_WORKLOADS)}")
     args = ap.parse_args(argv)
+    bad = [w for w in args.workloads if w not in DISPATCH_WORKLOADS]
+    if bad:
+        raise ValueError(f"--workloads: expected a subset of {DISPATCH_WORKLOADS}, got {bad}")
     import jax
     import numpy as np
     from jax.sharding import Mesh
