@@ -227,7 +227,10 @@ def _note(r: dict[str, Any]) -> str:
     if r.get("error"):
         return f"{r['source']}/{r['workload']}: n/a: {r['error'][:200]}"
     if r.get("rel_err") is None:
-        return f"{r['source']}/{r['workload']}: rel. distance to its own full-float32 result {r['rel_err_vs_f32']:.1e}"
+        line = f"{r['source']}/{r['workload']}: rel. distance to its own full-float32 result {r['rel_err_vs_f32']:.1e}"
+        if r.get("rel_err_vs_torch") is not None:
+            line += f", rel. error vs torch float32 {r['rel_err_vs_torch']:.1e}"
+        return line
     return f"{r['source']}/{r['workload']}: rel. error vs torch float32 {r['rel_err']:.1e}"
 
 

@@ -147,7 +147,8 @@ def _timed_jit(fn: Callable, xs: Sequence[Any], shardings: dict[str, Any], preci
     """``jax.jit(fn, **shardings)`` at ``precision``, timed with ``common.host_call_times``.
 
     Returns (record fields: enqueue/throughput/synced µs, ``rel_err_vs_f32`` against the same
-    program at full float32, ``matmul_precision``; the first output). Exceptions propagate.
+    program at full float32, ``matmul_precision``, ``hlo`` collective counts of the compiled
+    program; the first output). Exceptions propagate.
     """
     import jax
     import jax.numpy as jnp
@@ -155,6 +156,7 @@ def _timed_jit(fn: Callable, xs: Sequence[Any], shardings: dict[str, Any], preci
     with jax.default_matmul_precision(precision):
         f = jax.jit(fn, **shardings)
         last: list[Any] = [f(*xs)]
+        counts = common.hlo_op_counts(f.lower(*xs).compile().as_text())
     first = last[0]
     with jax.default_matmul_precision("float32"):
         ref = jax.jit(fn, **shardings)(*xs)
@@ -167,7 +169,7 @@ def _timed_jit(fn: Callable, xs: Sequence[Any], shardings: dict[str, Any], preci
     enq, thru, syn = common.host_call_times(call, lambda: last[0].block_until_ready(),
                                             calls=args.calls, rounds=args.rounds)
     return ({"enqueue_us": enq, "throughput_us": thru, "synced_us": syn, "error": None,
-             "rel_err_vs_f32": rel_err, "matmul_precision": precision}, first)
+             "rel_err_vs_f32": rel_err, "matmul_precision": precision, "hlo": counts}, first)
 
 
 def _failed(exc: BaseException) -> dict[str, Any]:
@@ -205,7 +207,7 @@ def minilm_fields(mesh: Any, seed: int, args: argparse.Namespace, precision: str
           jax.device_put(mask, rep)]
     fn = lambda p, i, m: jm.sentence_embeddings(ops, p, i, m, dims)  # noqa: E731
     rec, out = _timed_jit(fn, xs, {"in_shardings": (p_sh, rep, rep), "out_shardings": rep}, precision, args)
-    rec["rel_err_vs_torch"] = common.rel_error(torch.from_numpy(np.asarray(out, dtype=np.float32)), ref)
+    rec["rel_err_vs_torch"] = common.rel_error(torch.from_numpy(np.array(out, dtype=np.float32)), ref)
     rec["real_weights"] = case.real_weights
     return rec
 
