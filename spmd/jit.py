@@ -48,7 +48,10 @@ def jit(
 
     Args:
       fn: a PyTorch function (or ``nn.Module``) of tensors, traceable by
-        ``torch.export``.
+        ``torch.export``; it is called with positional arguments only. An ``nn.Module``'s
+        parameters and buffers become constants of the compiled program when it is traced:
+        later in-place updates are not seen (pass them as arguments, e.g. through
+        ``torch.func.functional_call``, or use ``spmd.parallelize``).
       mesh: the device mesh.
       in_shardings: one entry per positional argument — a ``PartitionSpec``,
         ``NamedSharding`` or None (keep a ``ShardedArray``'s own sharding;

@@ -224,6 +224,9 @@ def _annotate(module: Module, mesh, in_leaves, out_shardings, out_tree) -> None:
         named = _as_named(spec, mesh, f"out_shardings[{k}]")
         if named is None:
             continue
+        if named.partial:
+            raise ValueError(f"out_shardings[{k}]: expected a sharded or replicated output, got partial "
+                             f"sums over {named.partial}; outputs are always reduced (drop partial=)")
         named.validate(tuple(value.shape.dims), f"out_shardings[{k}]")
         constraint = Instruction(
             module.fresh_name(f"output.{k}.sharding"), "custom-call", value.shape, [value],

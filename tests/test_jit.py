@@ -160,3 +160,27 @@ def test_bad_calls_and_outputs_get_clear_errors():
     f = spmd.jit(lambda a, s: a * s, mesh=mesh, in_shardings=(P("tp"), None))
     assert f(torch.arange(8), 2).to_torch().dtype == torch.int64
     assert f(torch.arange(8), 2.0).to_torch().dtype == torch.float32
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    ({"cuda_graphs": 0}, TypeError, "cuda_graphs"),
+    ({"merge_dots": "yes"}, TypeError, "merge_dots"),
+    ({"fuse_attention": 1}, TypeError, "fuse_attention"),
+    ({"num_compute_streams": 2.5}, TypeError, "num_compute_streams"),
+    ({"num_compute_streams": True}, TypeError, "num_compute_streams"),
+    ({"num_compute_streams": "2"}, TypeError, "num_compute_streams"),
+    ({"num_compute_streams": 0}, ValueError, "num_compute_streams"),
+    ({"dump_dir": 123}, TypeError, "dump_dir"),
+    ({"windowed_einsum": "sometimes"}, ValueError, "windowed_einsum"),
+])
+def test_compile_options_are_checked_when_built(kw, err, match):
+    with pytest.raises(err, match=match):
+        spmd.CompileOptions(**kw)
+
+
+def test_partial_out_shardings_are_refused_with_a_clear_error():
+    mesh = Mesh.create({"tp": 2}, "cpu:2")
+    f = spmd.jit(lambda a, b: a @ b, mesh=mesh, in_shardings=(P(None, "tp"), P("tp", None)),
+                 out_shardings=NamedSharding(mesh, P(), partial=("tp",)))
+    with pytest.raises(ValueError, match=r"out_shardings\[0\].*partial"):
+        f(torch.randn(4, 4), torch.randn(4, 4))

@@ -330,6 +330,15 @@ def _matmul(em: Emitter, x: Instruction, y: Instruction) -> Instruction:
 
 
 def _common_dtype(em: Emitter, val, *xs: Instruction) -> list[Instruction]:
+    """The operands of a matrix product, which PyTorch requires to share one dtype.
+
+    Raises TypeError (reported as an unsupported operation at the user's line) for mixed dtypes:
+    PyTorch eager raises there too, and a silent convert would change the numbers.
+    """
+    dtypes = [x.shape.dtype for x in xs]
+    if len(set(dtypes)) > 1:
+        raise TypeError(f"expected the operands of a matrix product to have one dtype (as PyTorch "
+                        f"requires), got {' and '.join(dtypes)}")
     return [em.convert(x, out_dtype(val)) for x in xs]
 
 

@@ -139,6 +139,10 @@ def _index(em: Emitter, a: dict, val) -> Instruction:
     flat, stride = None, 1
     for i, n in reversed(list(zip(used, sizes, strict=True))):
         idx = em.broadcast_to(em.convert(indices[i], "s64"), batch)
+        # negative indices count from the end, as in PyTorch (out-of-range ones are clamped by
+        # the gather, as in XLA; PyTorch eager raises for them instead)
+        wrapped = em.binary("add", idx, em.scalar(n, "s64", batch))
+        idx = em.select(em.compare(idx, em.scalar(0, "s64", batch), "LT"), wrapped, idx)
         if stride != 1:
             idx = em.binary("multiply", idx, em.scalar(stride, "s64", batch))
         flat = idx if flat is None else em.binary("add", flat, idx)

@@ -56,7 +56,8 @@ class CompileOptions:
       ValueError: for an unknown ``windowed_einsum`` mode or a
         ``num_compute_streams`` < 1.
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots`` or
-        ``fuse_attention`` not a bool (or None where allowed).
+        ``fuse_attention`` not a bool (or None where allowed); ``num_compute_streams`` not an
+        int; ``dump_dir`` not a path.
     """
 
     windowed_einsum: str = "auto"
@@ -72,13 +73,18 @@ class CompileOptions:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
         for name in ("bidirectional", "cuda_graphs", "verify"):
-            if getattr(self, name) not in (None, True, False):
+            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
                 raise TypeError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         for name in ("merge_dots", "fuse_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.num_compute_streams is not None and self.num_compute_streams < 1:
-            raise ValueError(f"num_compute_streams must be >= 1, got {self.num_compute_streams}")
+        n = self.num_compute_streams
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+            raise TypeError(f"num_compute_streams must be an int >= 1 or None, got {n!r}")
+        if n is not None and n < 1:
+            raise ValueError(f"num_compute_streams must be >= 1, got {n}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise TypeError(f"dump_dir must be a path (str or os.PathLike) or None, got {self.dump_dir!r}")
 
     @property
     def verify_enabled(self) -> bool:

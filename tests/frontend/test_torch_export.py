@@ -182,3 +182,35 @@ def test_advanced_index_and_torch_gather():
     x = torch.randn(5, 7, 3)
     i, j = torch.tensor([4, 0, 2]), torch.tensor([6, 1, 1])
     check(f, (x, i, j, torch.randn(1, 9)))
+
+
+# --------------------------------------------------------------------------- user-facing semantics
+def _jit2(fn, **kw):
+    import spmd
+
+    return spmd.jit(fn, mesh=spmd.Mesh.create({"tp": 2}, "cpu:2"), **kw)
+
+
+@pytest.mark.parametrize("index", [[-1, 0], [-2, 4, -5]])
+def test_negative_indices_count_from_the_end(index):
+    """x[idx] with negative entries (a list or an index tensor, rows or columns) as in PyTorch."""
+    from spmd import PartitionSpec as P
+
+    y = torch.randn(5, 5)
+    i = torch.tensor(index)
+    torch.testing.assert_close(_jit2(lambda a: a[index])(y).to_torch(), y[index])
+    torch.testing.assert_close(_jit2(lambda a, i: a[i])(y, i).to_torch(), y[i])
+    torch.testing.assert_close(_jit2(lambda a, i: a[:, i])(y, i).to_torch(), y[:, i])
+    torch.testing.assert_close(_jit2(lambda a, i: a[i, i])(y, i).to_torch(), y[i, i])
+    sharded = _jit2(lambda a, i: a[i], in_shardings=(P("tp", None), P()))
+    torch.testing.assert_close(sharded(y, i).to_torch(), y[i])
+
+
+def test_matrix_product_of_mixed_dtypes_is_refused():
+    """PyTorch eager refuses int @ float and f32 @ f64; a silent convert would change the numbers."""
+    from spmd.frontend.torch_export import UnsupportedOpError
+
+    for x, w in ((torch.tensor([[1, 2]]), torch.tensor([[0.7], [0.7]])),
+                 (torch.randn(2, 3), torch.randn(3, 2, dtype=torch.float64))):
+        with pytest.raises(UnsupportedOpError, match="one dtype"):
+            _jit2(lambda x, w: x @ w)(x, w)
