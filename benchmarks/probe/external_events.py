@@ -12,42 +12,27 @@ Usage: ``python3 -m benchmarks.probe.external_events``
 
 from __future__ import annotations
 
-import ctypes
 import time
 
 import torch
 
-_CU = None
-
-
-def driver():
-    """libcuda, loaded once."""
-    global _CU
-    if _CU is None:
-        _CU = ctypes.CDLL("libcuda.so.1")
-    return _CU
+from spmd.runtime import graphs_cuda
 
 
 def wait_external(stream: torch.cuda.Stream, event: torch.cuda.Event, use_driver: bool) -> None:
-    """``stream`` waits for ``event`` as an external event (a wait node when captured)."""
-    if not use_driver:
+    """``stream`` waits for ``event`` as an external event: through PyTorch or the driver."""
+    if use_driver:
+        graphs_cuda.wait_external(stream, event)
+    else:
         stream.wait_event(event)
-        return
-    rc = driver().cuStreamWaitEvent(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(event.cuda_event),
-                                    ctypes.c_uint(1))
-    if rc != 0:
-        raise RuntimeError(f"cuStreamWaitEvent: CUresult {rc}")
 
 
 def record_external(event: torch.cuda.Event, stream: torch.cuda.Stream, use_driver: bool) -> None:
-    """``event`` recorded on ``stream`` as an external event (a record node when captured)."""
-    if not use_driver:
+    """``event`` recorded on ``stream`` as an external event: through PyTorch or the driver."""
+    if use_driver:
+        graphs_cuda.record_external(event, stream)
+    else:
         event.record(stream)
-        return
-    rc = driver().cuEventRecordWithFlags(ctypes.c_void_p(event.cuda_event), ctypes.c_void_p(stream.cuda_stream),
-                                         ctypes.c_uint(1))
-    if rc != 0:
-        raise RuntimeError(f"cuEventRecordWithFlags: CUresult {rc}")
 
 
 def build(use_driver: bool, external: bool):

@@ -223,7 +223,7 @@ class CudaGraphBackend:
                 if s != launch:
                     s.wait_event(fork)
                     if k and self._starts is not None:  # an event-wait node on the caller's stream
-                        _wait_external(s, self._starts[k])
+                        wait_external(s, self._starts[k])
         for step in steps:
             if isinstance(step, Segment):
                 for k, env in enumerate(envs):
@@ -253,7 +253,7 @@ class CudaGraphBackend:
                     (env.main if external else launch).wait_event(ev)
                     events.append(ev)
             if external:
-                _record_external(self._finishes[k], env.main)  # an event-record node
+                record_external(self._finishes[k], env.main)  # an event-record node
                 ev = torch.cuda.Event()
                 ev.record(env.main)
                 launch.wait_event(ev)
@@ -397,14 +397,22 @@ def external_events_available() -> bool:
     return _driver() is not None
 
 
-def _wait_external(stream: Any, event: Any) -> None:
+def wait_external(stream: Any, event: Any) -> None:
+    """``stream`` waits for ``event`` as an external event (a wait node when captured).
+
+    Raises RuntimeError when the driver call fails.
+    """
     rc = _driver().cuStreamWaitEvent(ctypes.c_void_p(stream.cuda_stream), ctypes.c_void_p(event.cuda_event),
                                      ctypes.c_uint(_CU_EVENT_WAIT_EXTERNAL))
     if rc:
         raise RuntimeError(f"cuStreamWaitEvent(external) failed: CUresult {rc}")
 
 
-def _record_external(event: Any, stream: Any) -> None:
+def record_external(event: Any, stream: Any) -> None:
+    """``event`` recorded on ``stream`` as an external event (a record node when captured).
+
+    Raises RuntimeError when the driver call fails.
+    """
     rc = _driver().cuEventRecordWithFlags(ctypes.c_void_p(event.cuda_event), ctypes.c_void_p(stream.cuda_stream),
                                           ctypes.c_uint(_CU_EVENT_RECORD_EXTERNAL))
     if rc:
