@@ -36,8 +36,9 @@ device 0's after it (2xH200, ``benchmarks/probe/external_events.py``), which is 
 where the driver's external-event calls are missing. "clone" mode then copies the outputs into
 fresh tensors there. For 2 devices that is 1 event record, 1 same-device wait and 1 launch. The
 outputs are thus ordered on the caller's streams like the outputs of eager PyTorch ops and
-carry no ready events. Replays never overlap: they are issued in order on device 0's stream, and when the
-caller's streams change the new ones first wait for everything issued on the old ones.
+carry no ready events. Replays never overlap: they are issued in order on device 0's stream,
+and when the caller's streams change the new ones first wait for everything issued on the
+old ones.
 """
 
 from __future__ import annotations
