@@ -120,6 +120,8 @@ def _step(inst: Instruction, ops: list[list], args: list[list], n: int, module: 
         return _COLLECTIVES[op](inst, ops[0] if ops else [], n, module)
     if op in _ASYNC:
         return _ASYNC[op](inst, ops, n, module)
+    if op == "fusion":
+        return _run(inst.attrs["calls"], per_dev, module)
     return [run_kernel(inst, v) for v in per_dev]
 
 

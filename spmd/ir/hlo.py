@@ -191,6 +191,7 @@ OPCODES: dict[str, str] = {
     "collective-permute-start": "async collective-permute, finished by collective-permute-done",
     "collective-permute-done": "",
     "async-start": "run called computation (calls) on execution stream stream_id",
+    "fusion": "run called computation (calls) as one kernel; kind=kLoop (spmd.passes.fuse_elementwise)",
     "async-done": "wait for the async-start operand; result is the called computation's root",
     "tuple": "tuple of operands",
     "get-tuple-element": "element index of a tuple operand",

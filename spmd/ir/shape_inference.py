@@ -202,6 +202,13 @@ def _collective(opcode: str, x: Shape, attrs: dict, num_partitions: int | None) 
 
 
 def _async(opcode: str, ops: list[Shape], attrs: dict, num_partitions: int | None) -> Shape:
+    if opcode == "fusion":
+        comp = attrs["calls"]
+        params = [p.shape for p in comp.parameters]
+        if params != ops or comp.root is None or comp.root.shape.is_tuple:
+            raise _fail(opcode, f"operands ({', '.join(map(str, ops))}) do not match %{comp.name}'s parameters "
+                                f"({', '.join(map(str, params))}), or its root is not an array")
+        return comp.root.shape
     if opcode == "async-start":
         comp = attrs["calls"]
         params = [p.shape for p in comp.parameters]

@@ -59,7 +59,8 @@ _KIND_CHECKS = {
     "bool": lambda v: isinstance(v, bool),
     "literal": lambda v: isinstance(v, torch.Tensor) and v.device.type == "cpu",
 }
-_REQUIRED = {"reduce": ("to_apply",), "custom-call": ("custom_call_target",), "async-start": ("calls",)}
+_REQUIRED = {"reduce": ("to_apply",), "custom-call": ("custom_call_target",), "async-start": ("calls",),
+             "fusion": ("calls",)}
 _DONE_OF = {s: s.removesuffix("-start") + "-done" for s in ASYNC_START_OPCODES}
 
 

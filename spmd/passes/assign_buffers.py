@@ -211,7 +211,7 @@ class _Liveness:
     def _foldable(self, inst: Instruction) -> bool:
         if inst.opcode in ("constant", "partition-id", "iota"):
             return True
-        if inst.opcode in ("custom-call", "async-start") or inst.shape.is_tuple or "start" in inst.opcode:
+        if inst.opcode in ("custom-call", "async-start", "fusion") or inst.shape.is_tuple or "start" in inst.opcode:
             return False
         from spmd.ir.hlo import COLLECTIVE_OPCODES
 

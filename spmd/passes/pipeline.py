@@ -2,8 +2,8 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → windowed-einsum → merge-dots
-           → fuse-attention → assign-streams → schedule
+    import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
+           → merge-dots → fuse-attention → fuse-elementwise → assign-streams → schedule
 
 followed by the ``assign-buffers`` analysis. After each pass the module is
 verified when ``CompileOptions.verify`` is on (tests and ``SPMD_VERIFY=1``),
@@ -28,8 +28,8 @@ from spmd.ir.verify import verify_module
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "windowed-einsum", "merge-dots", "fuse-attention",
-          "assign-streams", "schedule")
+STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
+          "fuse-attention", "fuse-elementwise", "assign-streams", "schedule")
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,15 @@ class CompileOptions:
         operands (``spmd.passes.merge_dots``; the stage then leaves the module as is when False).
       fuse_attention: rewrite dot -> scale -> softmax -> dot into one attention custom call
         (``spmd.passes.fuse_attention``).
+      fuse_elementwise: group chains of elementwise ops, reductions and norms into ``fusion``
+        instructions, each run as one generated kernel on GPU (``spmd.passes.fuse_elementwise``).
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
       ValueError: for an unknown ``windowed_einsum`` mode or a
         ``num_compute_streams`` < 1.
-      TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots`` or
-        ``fuse_attention`` not a bool (or None where allowed); ``num_compute_streams`` not an
+      TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
+        ``fuse_attention`` or ``fuse_elementwise`` not a bool (or None where allowed); ``num_compute_streams`` not an
         int; ``dump_dir`` not a path.
     """
 
@@ -66,6 +68,7 @@ class CompileOptions:
     cuda_graphs: bool | None = None
     merge_dots: bool = True
     fuse_attention: bool = True
+    fuse_elementwise: bool = True
     dump_dir: str | None = None
     verify: bool | None = None
 
@@ -75,7 +78,7 @@ class CompileOptions:
         for name in ("bidirectional", "cuda_graphs", "verify"):
             if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
                 raise TypeError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
-        for name in ("merge_dots", "fuse_attention"):
+        for name in ("merge_dots", "fuse_attention", "fuse_elementwise"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         n = self.num_compute_streams
@@ -109,10 +112,13 @@ class PipelineResult:
 def build_passes(options: CompileOptions) -> list:
     """The pass objects for ``options``, in run order."""
     from spmd.passes.assign_streams import AssignStreams
+    from spmd.passes.cse import CSE
     from spmd.passes.fuse_attention import FuseAttention
+    from spmd.passes.fuse_elementwise import FuseElementwise
     from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.schedule import Schedule
+    from spmd.passes.simplify import Simplify
     from spmd.passes.spmd_partition import SpmdPartition
     from spmd.passes.windowed_einsum import WindowedEinsum
 
@@ -125,9 +131,12 @@ def build_passes(options: CompileOptions) -> list:
     return [
         PropagateSharding(dot_gather_discount=discount),
         SpmdPartition(dot_gather_discount=discount),
+        Simplify(),
+        CSE(),
         WindowedEinsum(**we_kwargs),
         MergeDots(enabled=options.merge_dots),
         FuseAttention(enabled=options.fuse_attention),
+        FuseElementwise(enabled=options.fuse_elementwise),
         AssignStreams(**streams_kwargs),
         Schedule(),
     ]

@@ -40,9 +40,10 @@ from spmd.ir.hlo import COLLECTIVE_OPCODES, ELEMENTWISE_OPCODES, Computation, In
 
 VIEW_OPCODES = frozenset({"reshape", "transpose", "broadcast", "slice"})
 FOLD_MAX_NUMEL = 1024  # the lowering's folding threshold (spmd.runtime.lower.FOLD_MAX_NUMEL)
-_STRIDED_READERS = ELEMENTWISE_OPCODES | VIEW_OPCODES | frozenset({"dot", "reduce", "concatenate", "pad", "gather"})
+_STRIDED_READERS = ELEMENTWISE_OPCODES | VIEW_OPCODES | frozenset({"dot", "reduce", "concatenate", "pad", "gather",
+                                                                    "fusion"})
 _STRIDED_CUSTOM_CALLS = frozenset({"softmax", "layer-norm", "attention", "gelu", "silu"})
-_NOT_FOLDED = frozenset({"parameter", "custom-call", "tuple", "get-tuple-element", "async-start"})
+_NOT_FOLDED = frozenset({"parameter", "custom-call", "tuple", "get-tuple-element", "async-start", "fusion"})
 
 Strides = tuple[int, ...] | None  # element strides; None = not known statically
 

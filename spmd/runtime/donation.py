@@ -86,4 +86,5 @@ def _reads_in_place(op, hits: list[int], param_slot: int) -> bool:
         return False
     if op.inst.opcode == "dynamic-update-slice":
         return hits == [0]
-    return op.fn is None and op.inst.opcode in ELEMENTWISE_OPCODES
+    # a fusion's kernel computes its whole result before copying it into the donated buffer
+    return op.fn is None and (op.inst.opcode in ELEMENTWISE_OPCODES or op.inst.opcode == "fusion")

@@ -40,11 +40,13 @@ _ALIASING_CUSTOM_CALLS = frozenset({"Sharding"})
 def is_fresh(inst) -> bool:
     """Whether the kernel of ``inst`` always returns fresh memory (never a view of an operand).
 
-    ``FRESH_OPCODES``, and custom calls other than the identity ``Sharding`` (their kernels are
+    ``FRESH_OPCODES``, fusions, and custom calls other than the identity ``Sharding`` (their kernels are
     PyTorch functions returning new tensors).
     """
     if inst.opcode == "custom-call":
         return inst.attrs.get("custom_call_target") not in _ALIASING_CUSTOM_CALLS
+    if inst.opcode == "fusion":
+        return True
     return inst.opcode in FRESH_OPCODES
 
 
@@ -291,12 +293,19 @@ def _addmm_ok(dot_inst, add_inst, other) -> bool:
 
 
 def _mm_layout(dot_inst) -> tuple[bool, bool] | None:
-    """(batched, rhs_transposed) when the dot is ``a @ b`` / ``a @ b.T`` (optionally batched on dim 0)."""
+    """(batched, rhs_transposed) when the dot is ``a @ b`` / ``a @ b.T`` (optionally batched on dim 0).
+
+    An unbatched ``a`` of rank > 2 contracting its last dim with a 2-d ``b`` counts as ``a @ b``
+    on ``a`` flattened to 2-d (a linear layer on ``[B, S, D]`` activations).
+    """
     a = dot_inst.attrs
     lhs, rhs = dot_inst.operands
     lb, rb = tuple(a.get("lhs_batch_dims", ())), tuple(a.get("rhs_batch_dims", ()))
     lc, rc = tuple(a["lhs_contracting_dims"]), tuple(a["rhs_contracting_dims"])
     if not lb and not rb and lhs.shape.rank == 2 == rhs.shape.rank and lc == (1,) and rc in ((0,), (1,)):
+        return False, rc == (1,)
+    if not lb and not rb and lhs.shape.rank > 2 == rhs.shape.rank and lc == (lhs.shape.rank - 1,) \
+            and rc in ((0,), (1,)):
         return False, rc == (1,)
     if lb == rb == (0,) and lhs.shape.rank == 3 == rhs.shape.rank and lc == (2,) and rc in ((1,), (2,)):
         return True, rc == (2,)
@@ -313,12 +322,26 @@ def _fuse_addmm(ops, k: int, d: int, c_slot: int) -> None:
 
 
 def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
-    """Closure ``([c, a, b], out) -> c + a @ b`` on torch.addmm / torch.baddbmm (fusion (b))."""
+    """Closure ``([c, a, b], out) -> c + a @ b`` on torch.addmm / torch.baddbmm (fusion (b)).
+
+    Unbatched, an ``a`` of rank > 2 is flattened to 2-d (and ``c`` / ``out`` with it); a ``c``
+    that is a row broadcast (stride 0 over rows) goes in as the 1-d bias, which cuBLASLt adds
+    in the GEMM epilogue.
+    """
     mm = torch.baddbmm if batched else torch.addmm
 
     def kernel(ops: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
         c, a, b = ops
         if rhs_transposed:
             b = b.transpose(-1, -2)
-        return mm(c, a, b) if out is None else mm(c, a, b, out=out)
+        if batched:
+            return mm(c, a, b) if out is None else mm(c, a, b, out=out)
+        dims = (*a.shape[:-1], b.shape[-1])
+        a, c = a.reshape(-1, a.shape[-1]), c.reshape(-1, c.shape[-1])
+        if c.stride(0) == 0:
+            c = c[0]
+        if out is None:
+            return mm(c, a, b).view(dims)
+        mm(c, a, b, out=out.view(-1, out.shape[-1]))
+        return out
     return kernel

@@ -69,6 +69,7 @@ import torch
 
 from spmd import metrics
 from spmd.runtime.graphs_host import HostReplayBackend  # noqa: F401  (re-exported: tests, CPU debugging)
+from spmd.runtime.kernels_fusion import graph_warmup
 
 Tensor = torch.Tensor
 logger = logging.getLogger("spmd")
@@ -92,19 +93,25 @@ class GraphOptions:
       capture_error_mode: ``cudaStreamCaptureMode`` of the capture: "thread_local" (default:
         unsafe CUDA calls of this thread invalidate the capture, other threads are free),
         "global" or "relaxed".
+      split_devices: capture one graph per device when the devices meet only in NCCL
+        kernels (``spmd.runtime.graphs_cuda_split``); False: one graph over all devices.
     Raises:
       ValueError: an unknown ``outputs`` or ``capture_error_mode``, or ``max_output_sets`` < 1.
+      TypeError: ``split_devices`` not a bool.
     """
 
     outputs: str = "rotate"
     max_output_sets: int = 3
     capture_error_mode: str = "thread_local"
+    split_devices: bool = True
 
     def __post_init__(self) -> None:
         if self.outputs not in OUTPUT_MODES:
             raise ValueError(f"outputs: expected one of {OUTPUT_MODES}, got {self.outputs!r}")
         if not isinstance(self.max_output_sets, int) or self.max_output_sets < 1:
             raise ValueError(f"max_output_sets: expected an int >= 1, got {self.max_output_sets!r}")
+        if not isinstance(self.split_devices, bool):
+            raise TypeError(f"split_devices: expected True or False, got {self.split_devices!r}")
         if self.capture_error_mode not in CAPTURE_ERROR_MODES:
             raise ValueError(f"capture_error_mode: expected one of {CAPTURE_ERROR_MODES}, "
                              f"got {self.capture_error_mode!r}")
@@ -252,7 +259,7 @@ class GraphRunner:
         if backend is None:
             from spmd.runtime.graphs_cuda import CudaGraphBackend
 
-            backend = CudaGraphBackend(executable, options.capture_error_mode)
+            backend = CudaGraphBackend(executable, options.capture_error_mode, options.split_devices)
         self.backend = backend
         self._rotate = options.outputs == "rotate" and _use_count is not None
         self._lock = threading.Lock()
@@ -326,7 +333,8 @@ class GraphRunner:
                 self._warm_ptrs = [_ptrs(per) for per in args]
                 self._warm_threads.add(threading.get_ident())
                 metrics.counter("cuda_graphs.eager_call.warmup").inc()
-                return ex.run(args, arg_ready, donated)
+                with graph_warmup():  # fusions compile their generated kernels now, not in the capture
+                    return ex.run(args, arg_ready, donated)
             try:
                 self._rebind(args, donated)
                 out_set, clone = self._select(args, arg_ready)
@@ -415,7 +423,8 @@ class GraphRunner:
     def _capture(self, args: Sequence[Sequence[Tensor]], arg_ready: Any) -> _OutputSet:
         if threading.get_ident() not in self._warm_threads:
             # cuBLAS handles and workspaces are per thread: warm this thread up on real arguments
-            self.executable.run(args, arg_ready)
+            with graph_warmup():
+                self.executable.run(args, arg_ready)
             self._warm_threads.add(threading.get_ident())
             metrics.counter("cuda_graphs.eager_call.thread_warmup").inc()
         static_args = [b.tensors for b in self._bound]

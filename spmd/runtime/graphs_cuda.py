@@ -52,6 +52,7 @@ import torch
 
 from spmd.runtime import streams as st
 from spmd.runtime.executor import issue_segment_gpu
+from spmd.runtime.graphs_cuda_split import capture_split, issue_split, launch_split, splittable
 from spmd.runtime.thunks import Segment
 
 Tensor = torch.Tensor
@@ -81,14 +82,17 @@ class CudaCaptured:
     graph: Any
     outputs: list[list[Tensor]]
     events: list[Any] = field(default_factory=list)
+    device_graphs: list[Any] = field(default_factory=list)  # one per device (graphs_cuda_split)
 
     def replay(self) -> None:
-        """Launch the graph on the current stream of the capture device (the launch stream)."""
-        self.graph.replay()
+        """Launch the graph(s), each on the current stream of its capture device."""
+        for g in self.device_graphs or [self.graph]:
+            g.replay()
 
     def close(self) -> None:
-        """Destroy the graph and drop the static outputs (their pool blocks become free)."""
-        self.graph.reset()
+        """Destroy the graph(s) and drop the static outputs (their pool blocks become free)."""
+        for g in self.device_graphs or [self.graph]:
+            g.reset()
         self.outputs = []
         self.events = []
 
@@ -108,12 +112,15 @@ class CudaGraphBackend:
       executable: an ``Executable`` of a CUDA mesh (not distributed), already constructed:
         its streams, events, communicator and peer access exist.
       capture_error_mode: the ``cudaStreamCaptureMode`` ("thread_local", "global", "relaxed").
+      split: capture one graph per device where the program allows it
+        (``spmd.runtime.graphs_cuda_split``); False always captures one graph over all devices.
     Uses of the executable: ``_variant``, ``_bind``, ``_outputs``, ``_collective``,
     ``_arenas``, ``_envs`` and ``devices``.
     """
 
-    def __init__(self, executable: Any, capture_error_mode: str = "thread_local") -> None:
+    def __init__(self, executable: Any, capture_error_mode: str = "thread_local", split: bool = True) -> None:
         self.ex = executable
+        self.split = split
         self.envs = list(executable._envs)
         self.mode = capture_error_mode
         self.pool = torch.cuda.graph_pool_handle()
@@ -161,6 +168,8 @@ class CudaGraphBackend:
             self._views = ex._arenas.acquire()
         call = _CaptureCall(ex._bind(program, static_args), self._views)
         foreign = _foreign_storages(static_args, program.templates, self._views)
+        if self.split and splittable(ex, program):
+            return capture_split(self, program, steps, call, foreign)
         self.synchronize()
         graph = torch.cuda.CUDAGraph()
         launch = self.envs[0].main
@@ -241,6 +250,10 @@ class CudaGraphBackend:
         self._join_all(events)
         return outputs
 
+    def _issue_split(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int]) -> list[list[Tensor]]:
+        """Issue the program into one graph per device (``graphs_cuda_split.issue_split``)."""
+        return issue_split(self, program, steps, call, foreign)
+
     def _join_all(self, events: list[Any]) -> None:
         """Join every stream into the launch stream; with external events, each other device's
         streams first join its main stream, which records the device's finish event."""
@@ -296,6 +309,9 @@ class CudaGraphBackend:
           ``(outputs[j][k], [None] * devices)``.
         """
         streams = self._caller_streams()
+        if captured.device_graphs:
+            launch_split(streams, captured, copies, ready, _copy_in, _wait)
+            return self._outputs(captured, clone), self._no_ready
         s0 = streams[0]
         joins = self._joins
         for k in range(len(streams)):
@@ -317,11 +333,13 @@ class CudaGraphBackend:
             _record(self._done, s0)
             for sk in streams[1:]:
                 _wait(self._done, sk)
+        return self._outputs(captured, clone), self._no_ready
+
+    @staticmethod
+    def _outputs(captured: CudaCaptured, clone: bool) -> list[list[Tensor]]:
         if clone:
-            outs = [[t.clone() for t in per] for per in captured.outputs]
-        else:
-            outs = [[t.detach() for t in per] for per in captured.outputs]
-        return outs, self._no_ready
+            return [[t.clone() for t in per] for per in captured.outputs]
+        return [[t.detach() for t in per] for per in captured.outputs]
 
     def _caller_streams(self) -> list[Any]:
         """The caller's current stream per device; ordered after the streams of the last launch.

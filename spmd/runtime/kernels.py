@@ -324,6 +324,13 @@ def _build_custom_call(inst: Instruction, dev) -> Kernel:
     return kernel
 
 
+def _build_fusion(inst: Instruction, dev) -> Kernel:
+    """A ``fusion``: its called computation as one kernel (``spmd.runtime.kernels_fusion``)."""
+    from spmd.runtime.kernels_fusion import build_fusion
+
+    return build_fusion(inst, dev)
+
+
 # --------------------------------------------------------------------------- reduce
 _REDUCERS: dict[str, tuple[Callable, Callable, float | bool]] = {
     # to_apply root opcode -> (reduce over dims, combine with init, identity)
@@ -395,6 +402,7 @@ _BUILDERS: dict[str, Callable[[Instruction, torch.device | None], Kernel]] = {
     "dynamic-slice": _ix.build_dynamic_slice,
     "dynamic-update-slice": _ix.build_dynamic_update_slice,
     "custom-call": _build_custom_call,
+    "fusion": _build_fusion,
     "tuple": _build_tuple,
     "get-tuple-element": _build_gte,
 }

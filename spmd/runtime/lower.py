@@ -50,7 +50,7 @@ from spmd.runtime.thunks import (
 )
 
 FOLD_MAX_NUMEL = 1024  # values computed only from constants / partition-id up to this size are folded
-_FOLD_NEVER = frozenset({"custom-call", "parameter"})
+_FOLD_NEVER = frozenset({"custom-call", "parameter", "fusion"})
 _COLLECTIVE_KIND = {
     "all-gather": "all-gather", "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
@@ -348,7 +348,7 @@ def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:
 def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaView], dict[int, int]]:
     """Arena views for ops the BufferAssignment places (outputs never live in the arena).
 
-    Custom calls get none: their kernels are PyTorch functions without an ``out=`` form, so an
+    Custom calls and fusions get none: their kernels are PyTorch functions without an ``out=`` form, so an
     arena view would cost a copy of every result (one device-to-device memcpy each); they return
     fresh memory from the caching allocator (the graph's private pool under CUDA graphs).
     """
@@ -365,7 +365,7 @@ def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaVi
     for k, op in enumerate(ops):
         name = op.buffer_name
         if ("spec" in op.extra or "view" in op.extra or name is None or name not in offsets or op.out in outputs
-                or (op.fn is None and op.inst.opcode == "custom-call")):
+                or (op.fn is None and op.inst.opcode in ("custom-call", "fusion"))):
             continue
         shape = op.inst.shape
         if shape.is_tuple:

@@ -30,6 +30,12 @@ HloModule every_op, num_partitions=4, mesh={dp=2,tp=2}
   ROOT %body.dot = f32[4,2] dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
+%fused_computation (param_0: f32[4,8]) -> f32[4,8] {
+  %param_0 = f32[4,8] parameter(0)
+  %fused.neg = f32[4,8] negate(%param_0)
+  ROOT %fused.exp = f32[4,8] exponential(%fused.neg)
+}
+
 ENTRY %main (x: f32[4,8], w: f32[8,2], i: s32[3]) -> (f32[4,2], f32[4,8]) {
   %x = f32[4,8] parameter(0), sharding={devices=[2,1,2]<=[4] last_tile_dim_replicate}
   %w = f32[8,2] parameter(1), sharding={replicated}
@@ -98,6 +104,7 @@ ENTRY %main (x: f32[4,8], w: f32[8,2], i: s32[3]) -> (f32[4,2], f32[4,8]) {
   %cp-done = f32[4,8] collective-permute-done(%cp-start), stream_id=3
   %dot.0-start = ((f32[4,8], f32[8,2]), f32[4,2]) async-start(%x, %w), calls=%body, stream_id=1
   %dot.0 = f32[4,2] async-done(%dot.0-start), stream_id=1
+  %fusion = f32[4,8] fusion(%log), calls=%fused_computation, kind=kLoop
   %tuple = (f32[4,2], f32[4,8]) tuple(%dot.0, %cp-done), sharding={devices=[2,1,2]<=[4] last_tile_dim_replicate}
   %get-tuple-element = f32[4,2] get-tuple-element(%tuple), index=0, frontend_attributes={_xla_stream="3"}
   ROOT %out = (f32[4,2], f32[4,8]) tuple(%get-tuple-element, %dynamic-update-slice)
@@ -152,7 +159,7 @@ def test_parsed_attribute_values_are_typed():
     m = parse_module(EVERY_OP)
     assert m.mesh == MeshShape(("dp", "tp"), (2, 2)) and not m.is_partitioned
     add = m.computations[0]
-    assert [c.name for c in m.computations] == ["add.f32", "body"] and m.entry.name == "main"
+    assert [c.name for c in m.computations] == ["add.f32", "body", "fused_computation"] and m.entry.name == "main"
     assert _inst(m, "reduce").attrs == {"dimensions": (1,), "to_apply": add}
     assert _inst(m, "reduce").operands == [_inst(m, "clamp"), _inst(m, "zero")]
     assert _inst(m, "slice").attrs["slice"] == ((0, 4, 2), (1, 8, 3))

@@ -169,8 +169,8 @@ def test_async_done_without_start_and_start_as_root():
 def test_unknown_opcode_and_missing_attribute():
     m, b = _built()
     b.set_root(b.add("copy", [m.entry.parameters[0]]))
-    m.entry.root.opcode = "fusion"
-    assert "%copy: unknown opcode 'fusion'" in _error(m)
+    m.entry.root.opcode = "fused"
+    assert "%copy: unknown opcode 'fused'" in _error(m)
     m, b = _built()
     del m.entry.root.attrs["to_apply"]
     assert "%reduce: reduce needs attribute to_apply" in _error(m)

@@ -5,7 +5,8 @@ Shared by the golden tests of merge-dots and fuse-attention (and checked against
 actual output by both).
 """
 
-# The block of benchmarks/workloads.py on 2 devices after spmd-partition and windowed-einsum.
+# The block of benchmarks/workloads.py on 2 devices after spmd-partition, simplify, cse and windowed-einsum
+# (simplify composed the transposes of k: K^T is one transpose of the reshaped projection).
 BLOCK_2DEV_PARTITIONED = """\
 HloModule block, num_partitions=2, mesh={tp=2}, is_partitioned=true
 
@@ -29,11 +30,10 @@ ENTRY %main (x: f32[128,512], wq: f32[512,256], wk: f32[512,256], wv: f32[512,25
   %transpose = f32[4,128,64] transpose(%reshape), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
   %matmul_1 = f32[128,256] dot(%layer_norm, %wk), lhs_contracting_dims={1}, rhs_contracting_dims={0}, sharding={devices=[1,2]<=[2]}
   %reshape_1 = f32[128,4,64] reshape(%matmul_1), sharding={devices=[1,2,1]<=[2]}
-  %transpose_1 = f32[4,128,64] transpose(%reshape_1), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
   %matmul_2 = f32[128,256] dot(%layer_norm, %wv), lhs_contracting_dims={1}, rhs_contracting_dims={0}, sharding={devices=[1,2]<=[2]}
   %reshape_2 = f32[128,4,64] reshape(%matmul_2), sharding={devices=[1,2,1]<=[2]}
   %transpose_2 = f32[4,128,64] transpose(%reshape_2), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
-  %transpose_3 = f32[4,64,128] transpose(%transpose_1), dimensions={0,2,1}, sharding={devices=[2,1,1]<=[2]}
+  %transpose_3 = f32[4,64,128] transpose(%reshape_1), dimensions={1,2,0}, sharding={devices=[2,1,1]<=[2]}
   %matmul_3 = f32[4,128,128] dot(%transpose, %transpose_3), lhs_batch_dims={0}, rhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_contracting_dims={1}, sharding={devices=[2,1,1]<=[2]}
   %div = f32[] constant(8.0), sharding={replicated}
   %div.1 = f32[4,128,128] broadcast(%div), dimensions={}, sharding={devices=[2,1,1]<=[2]}

@@ -129,11 +129,12 @@ class GoldenTest(TestCase):
   %transpose = f32[4,128,64] transpose(%reshape), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
   %matmul_1 = f32[128,256] dot(%layer_norm, %wk), lhs_contracting_dims={1}, rhs_contracting_dims={0}, sharding={devices=[1,2]<=[2]}
   %reshape_1 = f32[128,4,64] reshape(%matmul_1), sharding={devices=[1,2,1]<=[2]}
-  %transpose_1 = f32[4,128,64] transpose(%reshape_1), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
   %matmul_2 = f32[128,256] dot(%layer_norm, %wv), lhs_contracting_dims={1}, rhs_contracting_dims={0}, sharding={devices=[1,2]<=[2]}
   %reshape_2 = f32[128,4,64] reshape(%matmul_2), sharding={devices=[1,2,1]<=[2]}
   %transpose_2 = f32[4,128,64] transpose(%reshape_2), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
-  %fused_attention = f32[4,128,64] custom-call(%transpose, %transpose_1, %transpose_2), custom_call_target="attention", backend_config={"is_causal":false,"has_mask":false,"scale":0.125}, sharding={devices=[2,1,1]<=[2]}
+  %transpose_3 = f32[4,64,128] transpose(%reshape_1), dimensions={1,2,0}, sharding={devices=[2,1,1]<=[2]}
+  %transpose_3.transposed = f32[4,128,64] transpose(%transpose_3), dimensions={0,2,1}, sharding={devices=[2,1,1]<=[2]}
+  %fused_attention = f32[4,128,64] custom-call(%transpose, %transpose_3.transposed, %transpose_2), custom_call_target="attention", backend_config={"is_causal":false,"has_mask":false,"scale":0.125}, sharding={devices=[2,1,1]<=[2]}
   %transpose_4 = f32[128,4,64] transpose(%fused_attention), dimensions={1,0,2}, sharding={devices=[1,2,1]<=[2]}
   %reshape_3 = f32[128,256] reshape(%transpose_4), sharding={devices=[1,2]<=[2]}
   %matmul_5 = f32[128,512] dot(%reshape_3, %wo), lhs_contracting_dims={1}, rhs_contracting_dims={0}, sharding={devices=[1,1,2]<=[2] last_tile_dims={partial}}

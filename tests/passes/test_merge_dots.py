@@ -149,7 +149,6 @@ class GoldenTest(TestCase):
   %reshape = f32[128,4,64] reshape(%matmul), sharding={devices=[1,2,1]<=[2]}
   %transpose = f32[4,128,64] transpose(%reshape), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
   %reshape_1 = f32[128,4,64] reshape(%matmul_1), sharding={devices=[1,2,1]<=[2]}
-  %transpose_1 = f32[4,128,64] transpose(%reshape_1), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
   %reshape_2 = f32[128,4,64] reshape(%matmul_2), sharding={devices=[1,2,1]<=[2]}
   %transpose_2 = f32[4,128,64] transpose(%reshape_2), dimensions={1,0,2}, sharding={devices=[2,1,1]<=[2]}
   """)

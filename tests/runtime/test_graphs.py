@@ -38,6 +38,29 @@ def _runner(compiled, **opts) -> GraphRunner:
     return GraphRunner(ex, GraphOptions(**opts), backend=HostReplayBackend(ex))
 
 
+_ALIVE: list = []
+
+
+@pytest.fixture(autouse=True)
+def _inputs_stay_allocated(monkeypatch):
+    """Every input made by ``shards`` lives until the test ends.
+
+    A freed input buffer can come back at the same address in the next call; the runner then
+    adopts it (reads the caller's buffer in place) and rebinds when a later call passes another
+    address, which would make capture counts depend on the allocator.
+    """
+    real = shards
+
+    def keeping(compiled, tensors):
+        out = real(compiled, tensors)
+        _ALIVE.append(out)
+        return out
+
+    monkeypatch.setitem(globals(), "shards", keeping)
+    yield
+    _ALIVE.clear()
+
+
 @pytest.fixture(scope="module")
 def mlp_prog():
     return compile_mlp("cpu:2")
@@ -95,6 +118,8 @@ def test_graph_options_validation():
         GraphOptions(max_output_sets=0)
     with pytest.raises(ValueError, match="capture_error_mode"):
         GraphOptions(capture_error_mode="loose")
+    with pytest.raises(TypeError, match="split_devices"):
+        GraphOptions(split_devices="yes")
     with pytest.raises(TypeError, match="GraphOptions"):
         GraphRunner(object(), options={"outputs": "clone"}, backend=object())
 

@@ -106,11 +106,18 @@ def test_windowed_einsum_two_streams_1000_calls():
 
     runner = _check_replays(compiled, inputs, matmul, ITERS)
     assert runner.input_buffers()[1] is None, "the weight passed every call should be adopted (no copy)"
+    assert all(not c.device_graphs for c in _captures(runner)), "peer copies need one graph over all devices"
     assert metrics.snapshot()["counters"].get("cuda_graphs.capture") == 1, _diag(ex, runner)
 
 
+def _captures(runner) -> list:
+    return [s.captured for s in runner._sets] + ([runner._private.captured] if runner._private else [])
+
+
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("outputs", ["clone", "rotate"])
-def test_mlp_1000_calls(outputs):
+def test_mlp_1000_calls(outputs, split):
+    """The MLP's devices meet only in NCCL all-reduces: with ``split_devices``, one graph per device."""
     compiled, (xs, w1s, w2s) = compile_mlp("cuda:2", m=32, d=64, h=128)
     w1, w2 = torch.randn(w1s) / 8, torch.randn(w2s) / 8
     _, w1b, w2b = shards(compiled, [torch.randn(xs), w1, w2])
@@ -119,7 +126,9 @@ def test_mlp_1000_calls(outputs):
         x = torch.randn(xs)
         return (x, w1, w2), [shards(compiled, [x, w1, w2])[0], w1b, w2b]
 
-    _check_replays(compiled, inputs, mlp, ITERS, GraphOptions(outputs=outputs))
+    runner = _check_replays(compiled, inputs, mlp, ITERS, GraphOptions(outputs=outputs, split_devices=split))
+    per_device = [len(c.device_graphs) for c in _captures(runner)]
+    assert per_device and all(n == (2 if split else 0) for n in per_device), per_device
 
 
 def test_mlp_new_weights_every_call_are_staged():
@@ -201,11 +210,18 @@ class _SyncingBackend(CudaGraphBackend):
         self.envs[1].main.synchronize()
         return outputs
 
+    def _issue_split(self, *args):
+        outputs = super()._issue_split(*args)
+        self.envs[1].main.synchronize()
+        return outputs
 
-def test_failed_capture_falls_back_and_leaves_devices_usable():
+
+@pytest.mark.parametrize("split", [False, True])
+def test_failed_capture_falls_back_and_leaves_devices_usable(split):
+    """A stream synchronized mid-capture: one graph over all devices, or one graph per device."""
     compiled, (xs, w1s, w2s) = compile_mlp("cuda:2", m=32, d=64, h=128)
     ex = unwrap(compiled.executable)
-    runner = GraphRunner(ex, backend=_SyncingBackend(ex))
+    runner = GraphRunner(ex, backend=_SyncingBackend(ex, split=split))
     w1, w2 = torch.randn(w1s) / 8, torch.randn(w2s) / 8
     for _ in range(4):
         x = torch.randn(xs)

@@ -42,7 +42,7 @@ def _block_jit(n: int, sequence_parallel: bool, fusions: bool = True):
     wl = WORKLOADS["block"]
     mesh = spmd.Mesh.create({"tp": n}, f"cpu:{n}")
     specs = [P(*s) for s in wl.specs]
-    out, kw = P(), {} if fusions else {"merge_dots": False, "fuse_attention": False}
+    out, kw = P(), {} if fusions else {"merge_dots": False, "fuse_attention": False, "fuse_elementwise": False}
     options = spmd.CompileOptions(**kw)
     if sequence_parallel:
         specs[0], out = P("tp", None), P("tp", None)
@@ -68,10 +68,10 @@ def _run(module, args: list[list[torch.Tensor]], calls: int = 2) -> list[list[li
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("fusions", [False, True])
 def test_block_matches_float64_pytorch(n, sequence_parallel, fusions):
-    """With and without merge-dots / fuse-attention (which leave fewer layout ops to view)."""
+    """With and without merge-dots / fuse-attention / fuse-elementwise (which leave fewer layout ops to view)."""
     wl, f = _block_jit(n, sequence_parallel, fusions)
     lowered = f.lower(*make_inputs(wl, "cpu", 0))
-    assert len(view_instructions(lowered.result.module)) >= (3 if fusions else 9)
+    assert len(view_instructions(lowered.result.module)) >= (3 if fusions else 8)  # simplify composes k's transposes
     for seed in (11, 12):  # fresh inputs per call: the arena is reused
         xs = make_inputs(wl, "cpu", seed)
         want = wl.fn(*[x.double() for x in xs])

@@ -18,6 +18,17 @@
   stream, which then already holds the first copy), and the two directions of a ring step
   would run one after the other instead of at once.
 
+- all-reduce of at most ``p2p_all_reduce_max_bytes`` per device (opt-in; one-shot, like the
+  custom all-reduces of TensorRT-LLM and vLLM for small messages): every device pulls every
+  peer's operand with a copy-engine peer copy (all copies at once, on per-device send streams as
+  for a collective-permute) and adds the operands in partition-id order on its collective
+  stream, so every device computes bit-identical sums. Its kernels are cheaper than NCCL's
+  (MiniLM's [8,128,384] float32 all-reduce on 2xH200: a 6.2 µs peer copy and a 2.0 µs add
+  against a 16.3 µs NCCL ring kernel), but its cross-device event joins cost more inside a CUDA
+  graph than NCCL's in-kernel flag synchronization: the MiniLM graph replayed in 1033 µs
+  against 980 µs with NCCL, the transformer block in 117 against 97 µs. It is therefore off by
+  default (``P2P_ALL_REDUCE_MAX_BYTES = 0``).
+
 Peer access is enabled once at construction (a first tiny copy between every pair does it),
 so that later copies — and CUDA graph captures — go device to device.
 
@@ -27,6 +38,8 @@ fork/join keeps the caching allocator's reuse of them stream-ordered.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +51,27 @@ from spmd.runtime.thunks import CollectiveSpec
 Tensor = torch.Tensor
 
 _NCCL_OPS = {"add": 0, "multiply": 1, "maximum": 2, "minimum": 3}  # ncclRedOp_t
+P2P_ALL_REDUCE_ENV = "SPMD_P2P_ALL_REDUCE_MAX_BYTES"
+#: Largest all-reduce (bytes per device) run as one-shot peer copies instead of NCCL (0 = none;
+#: see the module docstring for why).
+P2P_ALL_REDUCE_MAX_BYTES = 0
+
+
+def p2p_all_reduce_max_bytes() -> int:
+    """``SPMD_P2P_ALL_REDUCE_MAX_BYTES`` (0 = always NCCL), else ``P2P_ALL_REDUCE_MAX_BYTES``.
+
+    Raises ValueError naming the variable for a value that is not an integer >= 0.
+    """
+    raw = os.environ.get(P2P_ALL_REDUCE_ENV, "")
+    if not raw:
+        return P2P_ALL_REDUCE_MAX_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{P2P_ALL_REDUCE_ENV}: expected an integer >= 0 (bytes), got {raw!r}")
+    return value
 
 
 def nccl_available() -> bool:
@@ -56,14 +90,33 @@ class CudaCommunicator:
     Args:
       devices: the CUDA devices of the mesh in partition-id order.
       use_nccl: NCCL for all-gather / reduce-scatter / all-reduce; None = when available.
+      p2p_all_reduce_max_bytes: all-reduces up to this many bytes per device run as one-shot
+        peer copies (see the module docstring); None = ``p2p_all_reduce_max_bytes()``.
+    Raises ValueError from ``p2p_all_reduce_max_bytes()``.
     """
 
-    def __init__(self, devices: Sequence[torch.device], use_nccl: bool | None = None) -> None:
+    def __init__(self, devices: Sequence[torch.device], use_nccl: bool | None = None,
+                 p2p_all_reduce_max_bytes: int | None = None) -> None:
         self.devices = list(devices)
         self.pids = tuple(range(len(self.devices)))
         self.use_nccl = nccl_available() if use_nccl is None else use_nccl
+        self.p2p_max_bytes = (globals()["p2p_all_reduce_max_bytes"]() if p2p_all_reduce_max_bytes is None
+                              else p2p_all_reduce_max_bytes)
         enable_peer_access(self.devices)
         self._send: dict[tuple[int, int], tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]] = {}
+
+    def nccl_only(self, spec: CollectiveSpec) -> bool:
+        """Whether ``spec`` runs as NCCL kernels alone: no peer copy and no cross-device event.
+
+        Such collectives synchronize the devices inside their kernels, so each device's part of
+        a program made only of them can be captured into a graph of its own.
+        """
+        if not self.use_nccl or spec.kind not in ("all-gather", "reduce-scatter", "all-reduce"):
+            return False
+        if spec.kind == "all-reduce" and spec.reduce_op == "add":
+            nbytes = math.prod(spec.out_dims) * torch.empty((), dtype=spec.dtype).element_size()
+            return nbytes > self.p2p_max_bytes
+        return True
 
     def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
         """Run ``spec`` with ``inputs[pid]``; every device uses its stream ``stream_id``."""
@@ -80,6 +133,8 @@ class CudaCommunicator:
         if spec.kind == "reduce-scatter":
             return self._nccl_reduce_scatter(spec, x, streams) if self.use_nccl else self._copy_reduce(spec, x, True)
         if spec.kind == "all-reduce":
+            if spec.reduce_op == "add" and 0 < x[0].numel() * x[0].element_size() <= self.p2p_max_bytes:
+                return self._p2p_all_reduce(spec, x, streams, stream_id)
             return self._nccl_all_reduce(spec, x, streams) if self.use_nccl else self._copy_reduce(spec, x, False)
         raise ValueError(f"collective kind: expected one of all-gather, reduce-scatter, all-reduce, all-to-all, "
                          f"collective-permute, got {spec.kind!r}")
@@ -152,6 +207,38 @@ class CudaCommunicator:
         for p in range(len(x)):
             if out[p] is None:
                 out[p] = torch.zeros(spec.out_dims, dtype=spec.dtype, device=self.devices[p])
+        return out
+
+    def _p2p_all_reduce(self, spec: CollectiveSpec, x: list[Tensor], streams: Sequence[Any],
+                        stream_id: int) -> list[Tensor]:
+        """One-shot all-reduce (sum): peer copies of every operand, then adds in partition-id order."""
+        srcs = sorted({p for g in spec.groups if len(g) > 1 for p in g})
+        for src in srcs:  # fork every send stream before any copy is issued
+            send, fork, _ = self._send_stream(src, stream_id)
+            fork.record(streams[src])
+            send.wait_event(fork)
+        pulled: dict[tuple[int, int], Tensor] = {}
+        for g in spec.groups:
+            for src in g:
+                torch.cuda.set_stream(self._send_stream(src, stream_id)[0])
+                for dst in g:
+                    if dst != src:
+                        buf = torch.empty(spec.out_dims, dtype=spec.dtype, device=self.devices[dst])
+                        buf.copy_(x[src], non_blocking=True)
+                        pulled[(src, dst)] = buf
+                torch.cuda.set_stream(streams[src])
+        for src in srcs:  # the collective's stream knows the operand is no longer read
+            send, _, join = self._send_stream(src, stream_id)
+            join.record(send)
+            streams[src].wait_event(join)
+        out: list = [None] * len(x)
+        for g in spec.groups:
+            for dst in g:
+                terms = [x[dst] if src == dst else pulled[(src, dst)] for src in g]
+                acc = terms[0] + terms[1] if len(terms) > 1 else terms[0].clone()
+                for t in terms[2:]:
+                    acc.add_(t)
+                out[dst] = acc
         return out
 
     def _all_to_all(self, spec: CollectiveSpec, x: list[Tensor]) -> list[Tensor]:

@@ -1,0 +1,247 @@
+"""fuse-elementwise: chains of elementwise ops, broadcasts, reductions and norms become one ``fusion``.
+
+After partitioning, a transformer layer still runs one kernel per elementwise op: the bias add
+after an all-reduce, the residual add, the LayerNorm, the GELU, the mask arithmetic. Each is a
+full pass over memory plus a launch. This pass groups them as XLA's loop fusion does
+(xla/service/instruction_fusion.cc, "kLoop" fusions): a consumer absorbs its producers when
+every user of the producer is in the group, and duplicates cheap producers (broadcast, reshape,
+transpose, slice, scalar constants, iota) that have other users, as well as cheap elementwise
+producers (add, multiply, ...) whose users can all fuse them (each consumer recomputes the
+producer, whose own kernel then goes away: a residual add read by a LayerNorm and by the next
+residual add). Each group with at least two ops that would launch a kernel becomes::
+
+    %fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual), kind=kLoop, calls=%fused_computation
+
+where ``%fused_computation`` holds the group's instructions on parameters. The runtime
+(``spmd.runtime.kernels_fusion``) runs the called computation as one generated kernel
+(PyTorch Inductor on CUDA devices), or op by op elsewhere.
+
+Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, constants, iota, reduce
+(add / maximum / minimum) and the custom calls ``gelu``, ``silu``, ``layer-norm``,
+``softmax``. Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, concatenates, pads,
+other custom calls, anything with a tuple shape or no elements, values the lowering folds on
+the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
+and partition-id) and ops inside called computations. Members of a group share one stream id,
+and the group has at least one operand. An ``add`` of a single-use dot and a broadcast (a
+bias) is left to the runtime's addmm peephole (one GEMM with the add in its epilogue).
+
+Example (one device)::
+
+    %b = f32[8,128,384] broadcast(%bias), dimensions={2}
+    %x = f32[8,128,384] add(%all-reduce, %b)
+    %y = f32[8,128,384] add(%x, %residual)
+    %ln = f32[8,128,384] custom-call(%y, %w, %beta), custom_call_target="layer-norm", ...
+
+becomes ``%fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual, %w, %beta), kind=kLoop,
+calls=%fused_computation`` with the four instructions (and the broadcast) inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from spmd.ir.builder import Builder
+from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module
+from spmd.passes.views import folded_instructions
+
+FUSIBLE_CUSTOM_CALLS = frozenset({"gelu", "silu", "layer-norm", "softmax"})
+#: Ops that cost no kernel of their own (views or literals): duplicated into a group when shared.
+CHEAP_OPCODES = frozenset({"broadcast", "reshape", "transpose", "slice", "constant", "iota"})
+_FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce"})
+_REDUCERS = frozenset({"add", "maximum", "minimum"})
+#: Elementwise ops cheap enough to recompute in every consumer fusion (XLA duplicates such
+#: producers when all their users can fuse them, so that the producer's own kernel goes away).
+DUPLICABLE_OPCODES = frozenset({"add", "subtract", "multiply", "negate", "maximum", "minimum", "select",
+                                "compare", "convert", "abs"})
+FUSED_COMPUTATION = "fused_computation"
+
+
+def is_fusible(inst: Instruction) -> bool:
+    """Whether ``inst`` may be part of a loop fusion (see the module docstring)."""
+    if inst.shape.is_tuple or inst.shape.numel == 0:
+        return False
+    op = inst.opcode
+    if op == "custom-call":
+        return inst.attrs.get("custom_call_target") in FUSIBLE_CUSTOM_CALLS
+    if op == "reduce":
+        root = inst.attrs["to_apply"].root
+        return root is not None and root.opcode in _REDUCERS and len(inst.operands) == 2
+    if op == "constant":
+        return inst.shape.numel == 1
+    return op in _FUSIBLE_OPCODES
+
+
+def launches_kernel(inst: Instruction) -> bool:
+    """Whether ``inst`` would run a kernel of its own if left unfused (not a view or literal)."""
+    return inst.opcode not in CHEAP_OPCODES
+
+
+@dataclass(frozen=True)
+class FuseElementwise:
+    """The fuse-elementwise pass (see the module docstring).
+
+    enabled: False leaves every module unchanged (``CompileOptions.fuse_elementwise``).
+    min_kernels: the fewest kernel-launching ops a group needs to become a fusion (default 2).
+
+    ``run(module)`` rewrites the entry computation in place and returns the module.
+    Raises ValueError (in ``run``) for a module that is not partitioned.
+    """
+
+    name: ClassVar[str] = "fuse-elementwise"
+    enabled: bool = True
+    min_kernels: int = 2
+
+    def run(self, module: Module) -> Module:
+        if not module.is_partitioned:
+            raise ValueError(f"module {module.name!r} is not partitioned; fuse-elementwise runs after spmd-partition")
+        if not self.enabled:
+            return module
+        comp = module.entry
+        users = _live_users(comp)  # kept up to date as groups are taken (``_retire``)
+        taken: set[int] = set(folded_instructions(comp))  # the lowering computes these on the host
+        groups: list[_Group] = []
+        for inst in reversed(comp.instructions):
+            if id(inst) in taken or not is_fusible(inst) or inst.opcode in CHEAP_OPCODES:
+                continue
+            if (not users[inst] and inst is not comp.root) or _is_addmm_operand(inst, None, users):
+                continue  # dead (every user recomputes it), or left for the addmm peephole
+            group = _grow(inst, users, taken)
+            if group.kernels >= self.min_kernels and group.inputs:
+                groups.append(group)
+                taken.update(id(m) for m in group.moved)
+                _retire(group, users, comp.root)
+        builder = Builder(module, comp)
+        for group in groups:
+            _outline(module, builder, comp, group)
+        if groups:
+            comp.remove_dead()
+        return module
+
+
+@dataclass
+class _Group:
+    """A fusion group: its root, members in program order, and which of them are moved."""
+
+    root: Instruction
+    members: list[Instruction]          # every instruction of the group (moved and duplicated)
+    moved: list[Instruction]            # members whose every user is in the group
+    inputs: list[Instruction]           # operands from outside the group, first use first
+    kernels: int
+
+
+def _grow(root: Instruction, users: dict, taken: set[int]) -> _Group:
+    """The largest group rooted at ``root`` under the module docstring's rules."""
+    inside: set[int] = {id(root)}
+    moved: set[int] = {id(root)}
+    stack = [root]
+    while stack:
+        inst = stack.pop()
+        for p in inst.operands:
+            if id(p) in inside or id(p) in taken or not is_fusible(p) or p.stream_id != root.stream_id:
+                continue
+            if _is_addmm_operand(p, inst, users):
+                continue
+            if all(id(u) in moved for u in users[p]):
+                moved.add(id(p))
+            elif p.opcode not in CHEAP_OPCODES and not _duplicable(p, users, root.stream_id):
+                continue
+            inside.add(id(p))
+            stack.append(p)
+    members = [i for i in _program_order(root, inside)]
+    inputs: list[Instruction] = []
+    for m in members:
+        for o in m.operands:
+            if id(o) not in inside and o not in inputs:
+                inputs.append(o)
+    kernels = sum(1 for m in members if launches_kernel(m))
+    return _Group(root, members, [m for m in members if id(m) in moved], inputs, kernels)
+
+
+def _live_users(comp: Computation) -> dict[Instruction, list[Instruction]]:
+    """Map instruction -> its users that the root reaches (dead code reads nothing)."""
+    live: set[int] = set()
+    stack = [comp.root]
+    while stack:
+        inst = stack.pop()
+        if id(inst) not in live:
+            live.add(id(inst))
+            stack.extend(inst.operands)
+    return {inst: [u for u in us if id(u) in live] for inst, us in comp.users().items()}
+
+
+def _retire(group: _Group, users: dict, entry_root: Instruction) -> None:
+    """Update ``users`` to the entry as it will be once ``group`` is outlined.
+
+    Moved members go, and so do duplicated members left without users (every user was moved
+    into a fusion that recomputes them); a placeholder ``fusion`` (not fusible) reads every
+    input. Later groups then neither move nor duplicate a producer that a fusion still reads,
+    and never root a group at a value nothing reads any more.
+    """
+    gone, dead = list(group.moved), {id(m) for m in group.moved}
+    members = {id(m) for m in group.members}
+    while gone:
+        m = gone.pop()
+        for o in dict.fromkeys(m.operands):
+            users[o] = [u for u in users[o] if u is not m]
+            if id(o) in members and id(o) not in dead and not users[o] and o is not entry_root:
+                dead.add(id(o))
+                gone.append(o)
+    fusion = Instruction(f"{group.root.name}.fusion", "fusion", group.root.shape, stream_id=group.root.stream_id)
+    for x in group.inputs:
+        users[x].append(fusion)
+
+
+def _duplicable(p: Instruction, users: dict, stream_id: int | None) -> bool:
+    """A cheap elementwise producer whose every user may fuse it: recomputed in each consumer."""
+    return p.opcode in DUPLICABLE_OPCODES and all(is_fusible(u) and u.stream_id == stream_id
+                                                   for u in users[p])
+
+
+def _is_addmm_operand(p: Instruction, user: Instruction, users: dict) -> bool:
+    """``p`` is an ``add`` of a single-use dot and a non-kernel operand: the runtime runs it as addmm."""
+    if p.opcode != "add" or user is p:
+        return False
+    for k, o in enumerate(p.operands):
+        other = p.operands[1 - k]
+        if o.opcode == "dot" and len(users.get(o, ())) == 1 and other.opcode in CHEAP_OPCODES | {"parameter"}:
+            return True
+    return False
+
+
+def _program_order(root: Instruction, inside: set[int]) -> list[Instruction]:
+    """The group's members in a def-before-use order (post-order from the root)."""
+    order: list[Instruction] = []
+    seen: set[int] = set()
+    stack: list[tuple[Instruction, bool]] = [(root, False)]
+    while stack:
+        inst, done = stack.pop()
+        if done:
+            order.append(inst)
+            continue
+        if id(inst) in seen:
+            continue
+        seen.add(id(inst))
+        stack.append((inst, True))
+        for o in reversed(inst.operands):
+            if id(o) in inside and id(o) not in seen:
+                stack.append((o, False))
+    return order
+
+
+def _outline(module: Module, builder: Builder, comp: Computation, group: _Group) -> None:
+    """Move ``group`` into a new fused computation and put a ``fusion`` instruction in its root's place."""
+    body = Builder.new_computation(module, FUSED_COMPUTATION)
+    clones: dict[int, Instruction] = {}
+    for n, x in enumerate(group.inputs):
+        clones[id(x)] = body.param(x.shape, name=f"param_{n}", number=n)
+    for m in group.members:
+        clones[id(m)] = body.add(m.opcode, [clones[id(o)] for o in m.operands], m.attrs, shape=m.shape,
+                                 name=m.name, location=m.location)
+    body.set_root(clones[id(group.root)])
+    root = group.root
+    with builder.insert_before(root):
+        fusion = builder.add("fusion", group.inputs, {"kind": "kLoop", "calls": body.computation},
+                             shape=root.shape, name="fusion", sharding=root.sharding,
+                             stream_id=root.stream_id, location=root.location)
+    comp.replace_all_uses(root, fusion)

@@ -1,0 +1,280 @@
+"""The ``fusion`` kernel: op-by-op interpreter, structure keys, compiler choice, Inductor and its fallback."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from hlo_helpers import FakeMesh
+from hypothesis import HealthCheck, given, settings
+
+from spmd import metrics
+from spmd.ir.text import parse_module
+from spmd.passes.assign_buffers import assign_buffers
+from spmd.passes.assign_streams import AssignStreams
+from spmd.passes.fuse_elementwise import FuseElementwise
+from spmd.passes.schedule import Schedule
+from spmd.runtime import kernels_fusion as kf
+from spmd.runtime.executor import Executable
+from spmd.runtime.kernels import compile_kernel
+from tests.passes.test_fuse_elementwise import AFTER_ALL_REDUCE, dags, module, random_args
+
+CPU = torch.device("cpu")
+LN = 'custom_call_target="layer-norm", backend_config={"normalized_ndim":1,"eps":1e-05}'
+
+# Two layers of the same scale + residual + LayerNorm + GELU chain after a dot, with different names.
+TWO_LAYERS = module(
+    ["x: f32[4,8]", "w: f32[8,8]", "b1: f32[8]", "b2: f32[8]"],
+    [line.format(k=k, prev=prev)
+     for k, prev in ((1, "%x"), (2, "%ln1"))
+     for line in ("%d{k} = f32[4,8] dot({prev}, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}",
+                  "%bb{k} = f32[4,8] broadcast(%b{k}), dimensions={{1}}",
+                  "%s{k} = f32[4,8] multiply(%d{k}, %bb{k})",
+                  "%r{k} = f32[4,8] add(%s{k}, {prev})",
+                  "%n{k} = f32[4,8] custom-call(%r{k}), " + LN.replace("{", "{{").replace("}", "}}"),
+                  '%ln{k} = f32[4,8] custom-call(%n{k}), custom_call_target="gelu"')]
+    + ["ROOT %out = f32[4,8] dot(%ln2, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}"],
+    "f32[4,8]")
+
+FUSED_BY_HAND = """HloModule m, num_partitions=1, mesh={tp=1}, is_partitioned=true
+
+%fused_computation (p0: f32[4,8], p1: f32[8]) -> f32[4,8] {
+  %p0 = f32[4,8] parameter(0)
+  %p1 = f32[8] parameter(1)
+  %c = f32[] constant(0.5)
+  %cb = f32[4,8] broadcast(%c), dimensions={}
+  %pb = f32[4,8] broadcast(%p1), dimensions={1}
+  %m = f32[4,8] multiply(%p0, %cb)
+  %a = f32[4,8] add(%m, %pb)
+  ROOT %ln = f32[4,8] custom-call(%a), custom_call_target="layer-norm", backend_config={"normalized_ndim":1,"eps":1e-05}
+}
+
+ENTRY %main (x: f32[4,8], v: f32[8]) -> f32[4,8] {
+  %x = f32[4,8] parameter(0)
+  %v = f32[8] parameter(1)
+  ROOT %f = f32[4,8] fusion(%x, %v), kind=kLoop, calls=%fused_computation
+}
+"""
+
+
+def _fused(text: str, **options):
+    mod = parse_module(text)
+    FuseElementwise(**options).run(mod)
+    return mod
+
+
+def _fusions(mod) -> list:
+    return [i for i in mod.entry.instructions if i.opcode == "fusion"]
+
+
+def _operands(inst, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape.dims, generator=gen) + 0.1 for o in inst.operands]
+
+
+def _body_key(text: str) -> tuple:
+    return kf.structure_key(_fusions(parse_module(text))[0].attrs["calls"])
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    """An empty process-wide compile cache and log-once set."""
+    monkeypatch.setattr(kf, "_cache", {})
+    monkeypatch.setattr(kf, "_logged", set())
+
+
+def _counter(name: str) -> int:
+    return metrics.counter(name).value
+
+
+# --------------------------------------------------------------------------- the interpreter
+def _executable(mod, n: int):
+    AssignStreams().run(mod)
+    Schedule().run(mod)
+    return Executable(mod, FakeMesh(mod.mesh), assign_buffers(mod))
+
+
+def _run_equal(text: str, **options) -> None:
+    """The program with and without fusions, scheduled, buffered and run on CPU: equal bit for bit."""
+    plain, fused = parse_module(text), _fused(text, **options)
+    n = plain.num_partitions
+    args = random_args(plain, seed=3)
+    per_param = [[args[d][i] for d in range(n)] for i in range(len(args[0]))]
+    want, _ = _executable(plain, n).run(per_param)
+    got, _ = _executable(fused, n).run(per_param)
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w, g, strict=True):
+            assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_fused_programs_equal_unfused_kernels_bit_for_bit():
+    _run_equal(AFTER_ALL_REDUCE)
+    _run_equal(TWO_LAYERS)
+    assert len(_fusions(_fused(TWO_LAYERS))) == 2
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags())
+def test_random_dags_run_by_the_executor_equal_unfused(text):
+    _run_equal(text, min_kernels=1)
+
+
+def test_kernel_takes_any_strides_and_writes_into_out():
+    f = _fusions(parse_module(FUSED_BY_HAND))[0]
+    kernel = compile_kernel(f, CPU)
+    x, v = _operands(f)
+    want = kernel([x, v], None)
+    assert want.is_contiguous()
+    assert torch.equal(kf.interpreter(f.attrs["calls"], CPU)(x, v), want)
+    xt = x.t().contiguous().t()  # same values, column-major strides
+    assert xt.stride() != x.stride() and torch.equal(kernel([xt, v], None), want)
+    out = torch.empty(4, 8)
+    assert kernel([x, v], out) is out and torch.equal(out, want)
+
+
+# --------------------------------------------------------------------------- structure keys
+def test_structure_key_is_equal_for_two_layers_and_ignores_names():
+    a, b = (i.attrs["calls"] for i in _fusions(_fused(TWO_LAYERS)))
+    assert [i.name for i in a.instructions] != [i.name for i in b.instructions]
+    assert kf.structure_key(a) == kf.structure_key(b)
+    hash(kf.structure_key(a))
+
+
+@pytest.mark.parametrize("old,new", [
+    ("constant(0.5)", "constant(0.25)"),
+    ('"eps":1e-05', '"eps":1e-06'),
+    ("%m = f32[4,8] multiply(%p0, %cb)", "%m = f32[4,8] divide(%p0, %cb)"),
+    ("add(%m, %pb)", "add(%pb, %m)"),
+])
+def test_structure_key_differs_when_a_constant_attribute_or_opcode_differs(old, new):
+    assert old in FUSED_BY_HAND
+    assert _body_key(FUSED_BY_HAND) != _body_key(FUSED_BY_HAND.replace(old, new))
+
+
+def test_structure_key_ignores_instruction_names():
+    renamed = FUSED_BY_HAND.replace("%m ", "%mul ").replace("(%m,", "(%mul,").replace("%cb", "%scale")
+    assert "%mul = " in renamed and "%scale" in renamed
+    assert _body_key(FUSED_BY_HAND) == _body_key(renamed)
+
+
+# --------------------------------------------------------------------------- SPMD_FUSION_COMPILER
+@pytest.mark.parametrize("value,cpu,cuda", [
+    (None, "eager", "graphs"), ("", "eager", "graphs"), ("auto", "eager", "graphs"),
+    ("inductor", "inductor", "inductor"), ("eager", "eager", "eager"),
+])
+def test_fusion_compiler_choices(monkeypatch, value, cpu, cuda):
+    if value is None:
+        monkeypatch.delenv(kf.COMPILER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kf.COMPILER_ENV, value)
+    assert kf.fusion_compiler(CPU) == cpu
+    assert kf.fusion_compiler(torch.device("cuda", 0)) == cuda
+
+
+@pytest.mark.parametrize("value", ["triton", "Inductor", "1"])
+def test_bad_fusion_compiler_names_the_variable(monkeypatch, value, fresh_cache):
+    monkeypatch.setenv("SPMD_FUSION_COMPILER", value)
+    with pytest.raises(ValueError, match="SPMD_FUSION_COMPILER") as err:
+        kf.fusion_compiler(CPU)
+    assert repr(value) in str(err.value)
+    f = _fusions(parse_module(FUSED_BY_HAND))[0]
+    with pytest.raises(ValueError, match="SPMD_FUSION_COMPILER"):
+        compile_kernel(f, CPU)(_operands(f), None)
+
+
+# --------------------------------------------------------------------------- compilation and its fallback
+def test_a_compile_failure_falls_back_to_the_interpreter(monkeypatch, fresh_cache, caplog):
+    monkeypatch.setenv(kf.COMPILER_ENV, "inductor")
+
+    def failing(fn, ops):
+        raise RuntimeError("no compiler here\nsecond line")
+
+    monkeypatch.setattr(kf, "_inductor", failing)
+    a, b = _fusions(_fused(TWO_LAYERS))
+    before = _counter("fusion.fallback.RuntimeError")
+    with caplog.at_level(logging.WARNING, logger="spmd"):
+        for inst in (a, b):
+            ops = _operands(inst)
+            got = compile_kernel(inst, CPU)(ops, None)
+            assert torch.equal(got, kf.interpreter(inst.attrs["calls"], CPU)(*ops))
+    assert _counter("fusion.fallback.RuntimeError") == before + 2
+    warnings = [r.getMessage() for r in caplog.records if "op by op" in r.getMessage()]
+    assert warnings == ["fusion: running op by op (RuntimeError: no compiler here)"]
+    assert kf._cache == {}
+
+
+def _has_cxx() -> bool:
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_cxx(), reason="Inductor on CPU needs a C++ compiler")
+def test_inductor_on_cpu_matches_the_interpreter_and_shares_compiles(monkeypatch, fresh_cache):
+    monkeypatch.setenv(kf.COMPILER_ENV, "inductor")
+    a, b = _fusions(_fused(TWO_LAYERS))
+    last = _fusions(parse_module(FUSED_BY_HAND))[0]
+    hits, fallbacks = _counter("fusion.compile_cache.hit"), _fallbacks()
+    for k, inst in enumerate((a, b, last)):
+        ops = _operands(inst, seed=k)
+        want = kf.interpreter(inst.attrs["calls"], CPU)(*ops)
+        torch.testing.assert_close(compile_kernel(inst, CPU)(ops, None), want, rtol=1e-5, atol=1e-5)
+    assert _counter("fusion.compile_cache.hit") == hits + 1  # layer 2 reuses layer 1's compiled kernel
+    assert len(kf._cache) == 2 and _fallbacks() == fallbacks
+
+
+def _fallbacks() -> int:
+    return sum(v for k, v in metrics.snapshot()["counters"].items() if k.startswith("fusion.fallback."))
+
+
+# --------------------------------------------------------------------------- donation
+DONATED = """HloModule m, num_partitions=2, mesh={x=2}, is_partitioned=true
+
+ENTRY %main (x: f32[64,8], g: f32[64,8]) -> f32[64,8] {
+  %x = f32[64,8] parameter(0)
+  %g = f32[64,8] parameter(1)
+  %c = f32[] constant(0.9)
+  %cb = f32[64,8] broadcast(%c), dimensions={}
+  %s = f32[64,8] multiply(%x, %cb)
+  %t = f32[64,8] tanh(%g)
+  ROOT %u = f32[64,8] subtract(%s, %t)
+}
+"""
+
+
+def test_a_donated_argument_updated_by_a_fused_chain_reuses_its_buffer():
+    plain, fused = parse_module(DONATED), _fused(DONATED)
+    assert [i.opcode for i in fused.entry.instructions if i.opcode not in ("parameter", "constant")] \
+        == ["broadcast", "fusion"] or len(_fusions(fused)) == 1
+    ex = Executable(fused, FakeMesh(fused.mesh))
+    args = [[torch.randn(64, 8) for _ in range(2)] for _ in range(2)]
+    want, _ = Executable(plain, FakeMesh(plain.mesh)).run([[t.clone() for t in a] for a in args])
+    outs, _ = ex.run(args, donated=frozenset({0}))
+    for d in range(2):
+        assert outs[0][d].data_ptr() == args[0][d].data_ptr()
+        assert torch.equal(outs[0][d], want[0][d])
+
+
+def test_graphs_mode_compiles_only_for_graph_warmup(monkeypatch, fresh_cache):
+    """Under "graphs" (the CUDA default) an eager call runs op by op; inside ``graph_warmup`` (the
+    call before a CUDA graph capture) the fusion compiles and runs its generated kernel."""
+    monkeypatch.setattr(kf, "fusion_compiler", lambda device: "graphs")
+    compiled_for = []
+
+    def fake_compile(structure, eager, ops):
+        compiled_for.append(len(ops))
+        return lambda *a: eager(*a) * 1.0
+
+    monkeypatch.setattr(kf, "_compile", fake_compile)
+    (inst,) = _fusions(parse_module(FUSED_BY_HAND))
+    kernel = compile_kernel(inst, CPU)
+    ops = _operands(inst)
+    want = kf.interpreter(inst.attrs["calls"], CPU)(*ops)
+    torch.testing.assert_close(kernel(ops, None), want)
+    assert compiled_for == []
+    with kf.graph_warmup():
+        assert kf._graph_call()
+        torch.testing.assert_close(kernel(ops, None), want)
+    assert not kf._graph_call()
+    assert compiled_for == [len(ops)]
