@@ -156,10 +156,24 @@ def _measure_spmd(spmd: Any, mesh: Any, cases: dict, wl: str, sync: Callable[[],
         except Exception as exc:
             fail(src, wl, exc)
             continue
-        measure(src, wl, lambda f=f, a=placed: f(*a), sync, args, extra)
+        rec = measure(src, wl, lambda f=f, a=placed: f(*a), sync, args, extra)
+        if graphs and args.device == "cuda" and rec.get("error") is None:
+            common.emit({"kind": "kernels", "source": src, "workload": wl, "devices": _kernels(f, placed)})
     del placed
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _kernels(f: Callable, placed: list) -> list[dict] | str:
+    """Per device, the kernels of one call (``benchmarks.gpu_kernels``), or the error text."""
+    from dataclasses import asdict
+
+    from benchmarks.gpu_kernels import kernel_summary
+
+    try:
+        return [asdict(d) for d in kernel_summary(lambda: f(*placed))]
+    except Exception as exc:  # the profile is a note; its failure must not cost the measurement
+        return f"{type(exc).__name__}: {exc}"[:200]
 
 
 def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[list[dict], list[dict]]:
@@ -213,6 +227,7 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
              f"(torch {PRECISIONS[args.matmul_precision][0]!r}, JAX {PRECISIONS[args.matmul_precision][1]!r})"]
     lines += [_note(r) for r in records if r.get("kind") == "dispatch"
               and (r.get("error") or r.get("rel_err") is not None or r.get("rel_err_vs_f32") is not None)]
+    lines += [_kernel_note(r) for r in records if r.get("kind") == "kernels"]
     for line in lines:
         print("  " + line)
     reporting.write_json(Path(args.out) / "dispatch_results.json",
@@ -221,6 +236,17 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
         body = (f"### {title}\n\n{reporting.markdown_table(headers, rows)}\n\n"
                 + "\n".join(f"- {line}" for line in lines))
         reporting.append_row_set(Path(args.doc), f"dispatch, tp={args.tp}", info, body)
+
+
+def _kernel_note(r: dict[str, Any]) -> str:
+    """One line per profiled variant: kernels per call on the busiest device, by class."""
+    devs = r.get("devices")
+    if not isinstance(devs, list) or not devs:
+        return f"{r['source']}/{r['workload']}: kernel profile n/a: {devs}"
+    d = max(devs, key=lambda x: x["busy_us"])
+    return (f"{r['source']}/{r['workload']}: GPU kernels per call on cuda:{d['device']}: {d['kernels']} kernels, "
+            f"busy {d['busy_us']:.1f} µs = GEMM/attention {d['matmul_us']:.1f} + collectives "
+            f"{d['collective_us']:.1f} + other {d['other_us']:.1f}")
 
 
 def _note(r: dict[str, Any]) -> str:

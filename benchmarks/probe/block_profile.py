@@ -82,12 +82,31 @@ def kernel_table(fn, calls: int = 20) -> dict[int, list[tuple[str, int, float]]]
             for dev, names in sorted(acc.items())}
 
 
+def host_profile(fn, calls: int, top: int = 25) -> None:
+    """Print the ``top`` functions by own time of ``calls`` calls of ``fn`` (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    print("\n".join(buf.getvalue().splitlines()[:top + 12]))
+
+
 def main(argv=None) -> int:
     """Entry point; see the module docstring."""
     common.apply_required_env()
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workloads", default="block")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--tp", type=int, default=0, help="GPUs to use (default: all)")
+    ap.add_argument("--graphs-only", action="store_true", help="skip spmd eager")
+    ap.add_argument("--host-profile", type=int, default=0, help="cProfile this many calls; print the top rows")
     args = ap.parse_args(argv)
     import torch
 
@@ -95,22 +114,28 @@ def main(argv=None) -> int:
     from benchmarks.cm_local import make_mesh, resolve_devices
     from benchmarks.dispatch import _place, spmd_cases
 
-    devices = resolve_devices("cuda", torch.cuda.device_count())
+    devices = resolve_devices("cuda", args.tp or torch.cuda.device_count())
     mesh = make_mesh(spmd, devices)
     cases = spmd_cases(spmd, mesh, devices[0], common.fresh_seed())
     for wl in args.workloads.split(","):
         fn, xs, in_sh, out_sh, ref = cases[wl]()
         placed = [_place(spmd, mesh, x, s) for x, s in zip(xs, in_sh, strict=True)]
-        for graphs in (False, True):
+        for graphs in (True,) if args.graphs_only else (False, True):
             f = spmd.jit(fn, mesh=mesh, in_shardings=in_sh, out_shardings=out_sh,
                          options=spmd.CompileOptions(cuda_graphs=graphs))
             call = lambda f=f, a=placed: f(*a)  # noqa: E731
+            t0 = time.perf_counter()
+            call()
+            common.synchronize(devices)
+            print(f"   first call (compile, fusion codegen, capture) {time.perf_counter() - t0:.1f} s", flush=True)
             for _ in range(20):
                 call()
             gpu, host = gpu_us_per_call(call, devices, args.calls)
             label = f"{wl} {'graphs' if graphs else 'eager'}"
             print(f"== {label}: GPU {gpu:.1f} µs/call, host enqueue {host:.1f} µs/call "
                   f"(rel err {common.rel_error(call().to_torch().float(), ref.float()):.1e})", flush=True)
+            if args.host_profile:
+                host_profile(call, args.host_profile)
             for dev, rows in kernel_table(call).items():
                 total = sum(c * us for _, c, us in rows)
                 print(f"   cuda:{dev}: {sum(c for _, c, _ in rows)} kernels/call, {total:.1f} µs summed")

@@ -1,0 +1,70 @@
+"""What the GPU runs per call: kernel counts and summed kernel time per device (torch.profiler).
+
+``kernel_summary(fn)`` profiles a few calls of ``fn`` and classifies every CUDA kernel as matrix
+math (cuBLAS / CUTLASS GEMMs, split-K reductions, fused attention), collective (NCCL kernels,
+peer copies) or other (elementwise, norms, copies, generated fusions). The summed time of the
+matrix-math kernels is the floor a program with these GEMMs cannot go below on that device;
+the gap between the busy time and the measured time per call is launch latency and idle time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+_MATMUL = re.compile(r"gemm|sgemm|xmma|cutlass|splitKreduce|fmha|flash|attention|cublas", re.IGNORECASE)
+_COLLECTIVE = re.compile(r"nccl|PtoP", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    """One device's kernels per call: count, and summed µs by class (matmul, collective, other)."""
+
+    device: int
+    kernels: int
+    busy_us: float
+    matmul_us: float
+    collective_us: float
+    other_us: float
+
+
+def kind(name: str) -> str:
+    """"matmul", "collective" or "other" for a CUDA kernel (or memcpy) name."""
+    if _COLLECTIVE.search(name):
+        return "collective"
+    return "matmul" if _MATMUL.search(name) else "other"
+
+
+def kernel_summary(fn: Callable[[], object], calls: int = 10) -> list[DeviceKernels]:
+    """Per CUDA device that ran kernels, a :class:`DeviceKernels` averaged over ``calls`` calls.
+
+    ``fn`` is called once untimed, then ``calls`` times under ``torch.profiler`` (CUDA activity);
+    every device is synchronized before the profile ends.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(i)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+    count: dict[int, int] = defaultdict(int)
+    by_kind: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+        count[ev.device_index] += 1
+        by_kind[ev.device_index][kind(ev.name)] += us
+    out = []
+    for dev in sorted(count):
+        k = by_kind[dev]
+        out.append(DeviceKernels(dev, round(count[dev] / calls), sum(k.values()) / calls, k["matmul"] / calls,
+                                 k["collective"] / calls, k["other"] / calls))
+    return out
