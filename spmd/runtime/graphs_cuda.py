@@ -51,9 +51,7 @@ from typing import Any
 import torch
 
 from spmd.runtime import streams as st
-from spmd.runtime.executor import issue_segment_gpu
-from spmd.runtime.graphs_cuda_split import capture_split, issue_split, launch_split, splittable
-from spmd.runtime.thunks import Segment
+from spmd.runtime.graphs_cuda_split import capture_split, issue_split, issue_steps, launch_split, splittable
 
 Tensor = torch.Tensor
 
@@ -223,7 +221,7 @@ class CudaGraphBackend:
     def _issue(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int],
                events: list[Any]) -> list[list[Tensor]]:
         """Fork every stream from the launch stream, issue the thunks, join, return the outputs."""
-        envs, ex = self.envs, self.ex
+        envs = self.envs
         launch = envs[0].main
         fork = torch.cuda.Event()
         fork.record(launch)
@@ -234,19 +232,7 @@ class CudaGraphBackend:
                     s.wait_event(fork)
                     if k and self._starts is not None:  # an event-wait node on the caller's stream
                         wait_external(s, self._starts[k])
-        for step in steps:
-            if isinstance(step, Segment):
-                for k, env in enumerate(envs):
-                    issue_segment_gpu(step.thunks, call.vals[k], call.views[k], env)
-            else:
-                ex._collective(step, call)
-        for env in envs:
-            torch.cuda.set_stream(env.main)
-        outputs = ex._outputs(program, call)
-        for per in outputs:  # outputs must be graph-owned memory: copy any alias of held memory
-            for k, t in enumerate(per):
-                if t.untyped_storage().data_ptr() in foreign:
-                    per[k] = t.clone()
+        outputs = issue_steps(self, program, steps, call, foreign)
         self._join_all(events)
         return outputs
 

@@ -85,15 +85,13 @@ def capture_split(backend: Any, program: Any, steps: list, call: Any, foreign: s
     return CudaCaptured(graphs[0], outputs, [], device_graphs=graphs)
 
 
-def issue_split(backend: Any, program: Any, steps: list, call: Any, foreign: set[int]) -> list[list[Tensor]]:
-    """Fork each device's streams from its main stream, issue the thunks, join them back."""
+def issue_steps(backend: Any, program: Any, steps: list, call: Any, foreign: set[int]) -> list[list[Tensor]]:
+    """Issue the program's steps on every device (streams already forked); return its outputs.
+
+    Outputs must be graph-owned memory: an output aliasing ``foreign`` storage (arguments,
+    constants, the arena) is cloned. Every device's current stream is its main stream after.
+    """
     envs, ex = backend.envs, backend.ex
-    for env in envs:
-        fork = torch.cuda.Event()
-        fork.record(env.main)
-        for s in env.streams.values():
-            if s != env.main:
-                s.wait_event(fork)
     for step in steps:
         if isinstance(step, Segment):
             for k, env in enumerate(envs):
@@ -103,10 +101,23 @@ def issue_split(backend: Any, program: Any, steps: list, call: Any, foreign: set
     for env in envs:
         torch.cuda.set_stream(env.main)
     outputs = ex._outputs(program, call)
-    for per in outputs:  # outputs must be graph-owned memory: copy any alias of held memory
+    for per in outputs:
         for k, t in enumerate(per):
             if t.untyped_storage().data_ptr() in foreign:
                 per[k] = t.clone()
+    return outputs
+
+
+def issue_split(backend: Any, program: Any, steps: list, call: Any, foreign: set[int]) -> list[list[Tensor]]:
+    """Fork each device's streams from its main stream, issue the thunks, join them back."""
+    envs = backend.envs
+    for env in envs:
+        fork = torch.cuda.Event()
+        fork.record(env.main)
+        for s in env.streams.values():
+            if s != env.main:
+                s.wait_event(fork)
+    outputs = issue_steps(backend, program, steps, call, foreign)
     for env in envs:
         for s in env.streams.values():
             if s != env.main:

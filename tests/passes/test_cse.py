@@ -12,10 +12,10 @@ from torch import nn
 
 import spmd
 from spmd.ir.custom_calls import CUSTOM_CALLS
-from spmd.ir.evaluate import evaluate_spmd
 from spmd.ir.text import parse_module, print_module
 from spmd.ir.verify import verify_module
 from spmd.passes.cse import CSE, PURE_CUSTOM_CALLS
+from tests.passes.pass_checks import run_pass_checked
 
 P = spmd.PartitionSpec
 ADD_F32 = """%add.f32 (add.f32.lhs: f32[], add.f32.rhs: f32[]) -> f32[] {
@@ -37,17 +37,7 @@ def _module(params: list[str], body: list[str], result: str, p: int = 1, computa
 
 def _run(text: str, **options) -> tuple[str, object]:
     """CSE ``text``; verify it and check it computes what ``text`` did on fresh random inputs."""
-    before, mod = parse_module(text), parse_module(text)
-    CSE(**options).run(mod)
-    verify_module(mod)
-    n = mod.num_partitions
-    args = [[torch.randn(pp.shape.dims, dtype=torch.float64).to(pp.shape.torch_dtype) + 0.1
-             for pp in before.entry.parameters] for _ in range(n)]
-    for want, got in zip(evaluate_spmd(before, args), evaluate_spmd(mod, args), strict=True):
-        for w, g in zip(want, got, strict=True):
-            assert w.dtype == g.dtype and w.shape == g.shape
-            assert torch.equal(g, w)
-    return print_module(mod), mod
+    return run_pass_checked(CSE(**options), text, exact=True)
 
 
 def _count(mod, opcode: str) -> int:

@@ -15,13 +15,12 @@ from torch import nn
 
 import spmd
 from benchmarks.workloads import WORKLOADS, make_inputs
-from spmd.ir.evaluate import evaluate_spmd
 from spmd.ir.text import parse_module, print_module
-from spmd.ir.verify import verify_module
 from spmd.passes import pipeline
 from spmd.passes.merge_dots import MergeDots
 from spmd.passes.windowed_einsum import WindowedEinsum
 from tests.passes.block_program import BLOCK_2DEV_PARTITIONED
+from tests.passes.pass_checks import run_pass_checked
 from tests.passes.test_windowed_einsum import ag_module
 
 P = spmd.PartitionSpec
@@ -38,17 +37,7 @@ def _module(params: list[str], body: list[str], result: str, p: int = 1) -> str:
 
 def _run(text: str, **options) -> tuple[str, object]:
     """Merge ``text``; verify it and check it computes what ``text`` did on fresh random inputs."""
-    before, mod = parse_module(text), parse_module(text)
-    MergeDots(**options).run(mod)
-    verify_module(mod)
-    n = mod.num_partitions
-    args = [[torch.randn(pp.shape.dims, dtype=torch.float64).to(pp.shape.torch_dtype) + 0.1
-             for pp in before.entry.parameters] for _ in range(n)]
-    for want, got in zip(evaluate_spmd(before, args), evaluate_spmd(mod, args), strict=True):
-        for w, g in zip(want, got, strict=True):
-            assert w.dtype == g.dtype and w.shape == g.shape
-            assert torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-5)
-    return print_module(mod), mod
+    return run_pass_checked(MergeDots(**options), text)
 
 
 def _dots(mod) -> int:

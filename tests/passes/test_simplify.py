@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from expecttest import TestCase
 
 import spmd
-from spmd.ir.evaluate import evaluate_spmd
 from spmd.ir.text import parse_module, print_module
-from spmd.ir.verify import verify_module
 from spmd.passes.simplify import Simplify, remove_unused
+from tests.passes.pass_checks import run_pass_checked
 
 P = spmd.PartitionSpec
 HEADER = "HloModule m, num_partitions={p}, mesh={{tp={p}}}, is_partitioned=true\n\n"
@@ -34,17 +33,7 @@ def _module(params: list[str], body: list[str], result: str, p: int = 1) -> str:
 
 def _run(text: str) -> tuple[str, object]:
     """Simplify ``text``; verify it and check it computes what ``text`` did on fresh random inputs."""
-    before, mod = parse_module(text), parse_module(text)
-    Simplify().run(mod)
-    verify_module(mod)
-    n = mod.num_partitions
-    args = [[torch.randn(pp.shape.dims, dtype=torch.float64).to(pp.shape.torch_dtype) + 0.1
-             for pp in before.entry.parameters] for _ in range(n)]
-    for want, got in zip(evaluate_spmd(before, args), evaluate_spmd(mod, args), strict=True):
-        for w, g in zip(want, got, strict=True):
-            assert w.dtype == g.dtype and w.shape == g.shape
-            assert torch.equal(g, w)  # data movement only: bit-exact
-    return print_module(mod), mod
+    return run_pass_checked(Simplify(), text, exact=True)  # data movement only: bit-exact
 
 
 def _opcodes(mod) -> list[str]:
