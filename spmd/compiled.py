@@ -318,8 +318,17 @@ def _bytes_moved(op: str, operand_bytes: int, n: int) -> int:
 
 
 def compile_module(lowered) -> Compiled:
-    """Build the executable of a ``Lowered`` program and fix its output shardings."""
+    """Build the executable of a ``Lowered`` program and fix its output shardings.
+
+    Raises ValueError for a bad ``SPMD_FUSION_COMPILER`` or ``SPMD_P2P_ALL_REDUCE_MAX_BYTES``
+    (checked here on every mesh, before any kernel or communicator reads them).
+    """
     from spmd.passes.assign_buffers import assign_buffers
+    from spmd.runtime.comm.cuda import p2p_all_reduce_max_bytes
+    from spmd.runtime.kernels_fusion import fusion_compiler
+
+    fusion_compiler(torch.device("cpu"))
+    p2p_all_reduce_max_bytes()
     from spmd.runtime.executor import Executable
     from spmd.runtime.graphs import maybe_graph
 

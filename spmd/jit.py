@@ -60,17 +60,24 @@ def jit(
       out_shardings: like ``in_shardings`` for the outputs; None lets
         propagation choose (never partial).
       donate_argnums: positional arguments whose buffers the call may reuse
-        for outputs; the donated ``ShardedArray``s are dead afterwards.
+        for outputs (an int, a tuple or list of ints, or None for none); the
+        donated ``ShardedArray``s are dead afterwards.
       options: ``CompileOptions``.
       reshard_inputs: reshard a ``ShardedArray`` whose sharding differs from
         its in-sharding on device instead of raising ``ValueError``.
     Raises:
-      TypeError: ``mesh`` is not a Mesh or ``fn`` is not callable.
+      TypeError: ``mesh`` is not a Mesh, ``fn`` is not callable, ``donate_argnums`` is not
+        ints or ``options`` is not a ``CompileOptions``.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an spmd.Mesh, got {type(mesh).__name__}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if donate_argnums is None:
+        donate_argnums = ()
+    if not isinstance(donate_argnums, (int, tuple, list)):
+        raise TypeError(f"donate_argnums must be an int or a tuple/list of ints (None = no donation), "
+                        f"got {type(donate_argnums).__name__} {donate_argnums!r}")
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     if any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in donate):
         raise TypeError(f"donate_argnums must be non-negative ints, got {donate_argnums!r}")
@@ -181,7 +188,9 @@ class Lowered:
         return tuple(self.result.stage_text)
 
     def as_text(self, stage: str = "spmd-partition") -> str:
-        """HLO text after ``stage``. Raises ValueError for an unknown stage."""
+        """HLO text after ``stage``. Raises TypeError for a non-str, ValueError for an unknown stage."""
+        if not isinstance(stage, str):
+            raise TypeError(f"stage must be a stage name (str), got {type(stage).__name__} {stage!r}")
         try:
             return self.result.stage_text[stage]
         except KeyError:

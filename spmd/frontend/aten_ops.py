@@ -30,10 +30,29 @@ aten = torch.ops.aten
 
 
 # --------------------------------------------------------------------------- elementwise
+#: Ops whose PyTorch kernels (CPU and CUDA) read a Python-scalar operand unrounded, as float32.
+#: Additions and subtractions are left alone: PyTorch's CPU kernels round that scalar to the
+#: tensor's 16-bit dtype first (its CUDA kernels do not), and spmd matches the CPU there.
+_OPMATH_OPCODES = frozenset({"multiply", "divide"})
+_HALF_DTYPES = frozenset({"f16", "bf16"})
+
+
 def _ew(em: Emitter, opcode: str, xs: list[Any], val) -> Instruction:
     dtype, dims = out_dtype(val), out_dims(val)
+    if dtype in _HALF_DTYPES and opcode in _OPMATH_OPCODES and any(_rounds(x, dtype) for x in xs):
+        # PyTorch keeps the Python scalar in float32 and multiplies there ("opmath"), rounding
+        # once at the end: rounding the scalar to 16 bits first would change the result.
+        ops = [operand(em, x, "f32", dims) for x in xs]
+        return em.convert(em.emit(opcode, Shape("f32", dims), ops), dtype)
     ops = [operand(em, x, dtype, dims) for x in xs]
     return em.emit(opcode, Shape(dtype, dims), ops)
+
+
+def _rounds(x: Any, dtype: str) -> bool:
+    """``x`` is a Python float that ``dtype`` cannot hold exactly."""
+    if not isinstance(x, float) or not math.isfinite(x):
+        return False
+    return float(torch.tensor(x, dtype=Shape(dtype, ()).torch_dtype)) != x
 
 
 def _scaled(em: Emitter, x: Any, alpha: Any) -> Any:

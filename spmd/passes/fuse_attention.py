@@ -177,8 +177,14 @@ def _shapes_agree(s: Instruction, o: Instruction, nb: int) -> bool:
 
 def _one_float_dtype(s: Instruction, o: Instruction, scale_chain: tuple[Instruction, ...], x: Instruction,
                      mask: Instruction | None) -> bool:
-    """Every value of the chain (and its inputs q, kt, v, mask) has one floating dtype."""
-    values = [*s.operands, s, *scale_chain, x, *o.operands, o] + ([mask] if mask is not None else [])
+    """Every value of the chain (and its inputs q, kt, v, mask) has one floating dtype.
+
+    Float32 intermediates between two converts of a 16-bit scale (``_opmath_scaled_scores``)
+    are the one exception: the chain's value is back in the scores' dtype after them.
+    """
+    opmath = scale_chain[-1].opcode == "convert" if scale_chain else False
+    chain = scale_chain[-1:] if opmath else scale_chain
+    values = [*s.operands, s, *chain, x, *o.operands, o] + ([mask] if mask is not None else [])
     return len({i.shape.dtype for i in values}) == 1 and o.shape.dtype in FLOAT_DTYPES
 
 
@@ -245,6 +251,8 @@ def _scaled_scores(
     """
     if x.opcode == "dot":
         return x, 1.0, (), None
+    if x.opcode == "convert" and _single_use(x, users):
+        return _opmath_scaled_scores(x, users)
     if x.opcode not in ("multiply", "divide") or not _single_use(x, users):
         return None
     lhs, rhs = x.operands
@@ -258,6 +266,35 @@ def _scaled_scores(
         if not math.isfinite(scale) or scale <= 0:
             return None
         return s, scale, (*inter, x), const
+    return None
+
+
+def _opmath_scaled_scores(
+    x: Instruction, users: _Users
+) -> tuple[Instruction, float, tuple[Instruction, ...], Instruction | None] | None:
+    """``x = convert(convert(s) * c)``: a 16-bit score scale computed in float32, as the frontend
+    emits a Python-scalar multiply or divide that 16 bits cannot hold exactly (PyTorch's opmath).
+
+    The float32 intermediates are returned apart from the chain's dtype check: their dtype is
+    the computation's, not the scores'.
+    """
+    inner = x.operands[0]
+    if inner.opcode not in ("multiply", "divide") or not _single_use(inner, users):
+        return None
+    lhs, rhs = inner.operands
+    pairs = ((lhs, rhs), (rhs, lhs)) if inner.opcode == "multiply" else ((lhs, rhs),)
+    for up, c in pairs:
+        found = _scalar_constant(c, users)
+        if found is None or up.opcode != "convert" or not _single_use(up, users):
+            continue
+        s = up.operands[0]
+        if s.opcode != "dot" or s.shape.dtype != x.shape.dtype:
+            continue
+        value, inter, const = found
+        scale = value if inner.opcode == "multiply" else (1.0 / value if value != 0 else math.inf)
+        if not math.isfinite(scale) or scale <= 0:
+            return None
+        return s, scale, (up, *inter, inner, x), const
     return None
 
 

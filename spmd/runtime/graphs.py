@@ -97,7 +97,7 @@ class GraphOptions:
         kernels (``spmd.runtime.graphs_cuda_split``); False: one graph over all devices.
     Raises:
       ValueError: an unknown ``outputs`` or ``capture_error_mode``, or ``max_output_sets`` < 1.
-      TypeError: ``split_devices`` not a bool.
+      TypeError: ``split_devices`` not a bool, ``max_output_sets`` not an int.
     """
 
     outputs: str = "rotate"
@@ -108,7 +108,9 @@ class GraphOptions:
     def __post_init__(self) -> None:
         if self.outputs not in OUTPUT_MODES:
             raise ValueError(f"outputs: expected one of {OUTPUT_MODES}, got {self.outputs!r}")
-        if not isinstance(self.max_output_sets, int) or self.max_output_sets < 1:
+        if not isinstance(self.max_output_sets, int) or isinstance(self.max_output_sets, bool):
+            raise TypeError(f"max_output_sets: expected an int >= 1, got {self.max_output_sets!r}")
+        if self.max_output_sets < 1:
             raise ValueError(f"max_output_sets: expected an int >= 1, got {self.max_output_sets!r}")
         if not isinstance(self.split_devices, bool):
             raise TypeError(f"split_devices: expected True or False, got {self.split_devices!r}")

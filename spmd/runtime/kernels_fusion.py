@@ -46,7 +46,7 @@ COMPILERS = ("auto", "inductor", "eager")
 
 logger = logging.getLogger("spmd")
 _cache: dict[tuple, Callable[..., Tensor]] = {}
-_cache_lock = threading.Lock()
+_compile_lock = threading.RLock()  # Inductor compiles one graph at a time
 _logged: set[str] = set()
 _warmup = threading.local()
 
@@ -165,25 +165,29 @@ def _attr_key(v: Any) -> Any:
 def _compile(structure: tuple, eager: Callable[..., Tensor], ops: list[Tensor]) -> Callable[..., Tensor]:
     """The generated kernel of a fusion for ``ops``' device and layout (cached), else ``eager``."""
     key = (structure, str(ops[0].device), *((tuple(t.shape), t.stride(), t.dtype) for t in ops))
-    with _cache_lock:
+    with _compile_lock:  # one compile at a time: devices on a CPU thread pool share one result
         hit = _cache.get(key)
-    if hit is not None:
-        metrics.counter("fusion.compile_cache.hit").inc()
-        return hit
-    try:
-        with metrics.timer("fusion.compile"):
-            compiled = _inductor(eager, ops)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to op-by-op execution
-        reason = type(exc).__name__
-        metrics.counter(f"fusion.fallback.{reason}").inc()
-        if reason not in _logged:
-            _logged.add(reason)
-            logger.warning("fusion: running op by op (%s: %s)", reason, str(exc).splitlines()[0][:200] if str(exc)
-                           else "")
-        return eager
-    with _cache_lock:
-        _cache.setdefault(key, compiled)
-    return compiled
+        if hit is not None:
+            metrics.counter("fusion.compile_cache.hit").inc()
+            return hit
+        try:
+            with metrics.timer("fusion.compile"):
+                compiled = _inductor(eager, ops)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to op-by-op execution
+            reason = type(exc).__name__
+            metrics.counter(f"fusion.fallback.{reason}").inc()
+            if reason not in _logged:
+                _logged.add(reason)
+                first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                logger.warning("fusion: running op by op (%s: %s)", reason, first)
+            compiled = eager
+        _cache[key] = compiled
+        return compiled
+
+
+#: Inductor config for fusions: keep every cast the program makes (a float32 -> float16 -> float32
+#: round trip must round as the unfused kernels do; by default Inductor elides such casts).
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
 def _inductor(fn: Callable[..., Tensor], ops: list[Tensor]) -> Callable[..., Tensor]:
@@ -192,7 +196,7 @@ def _inductor(fn: Callable[..., Tensor], ops: list[Tensor]) -> Callable[..., Ten
 
     with torch.no_grad():
         gm = make_fx(fn)(*ops)
-        compiled = torch._inductor.compile(gm, list(ops))
+        compiled = torch._inductor.compile(gm, list(ops), options=_INDUCTOR_OPTIONS)
         got, want = compiled(*ops), fn(*ops)
     if isinstance(got, (tuple, list)):
         (got,) = got

@@ -120,6 +120,9 @@ def test_graph_options_validation():
         GraphOptions(capture_error_mode="loose")
     with pytest.raises(TypeError, match="split_devices"):
         GraphOptions(split_devices="yes")
+    for bad in (True, 2.0, "3"):
+        with pytest.raises(TypeError, match="max_output_sets"):
+            GraphOptions(max_output_sets=bad)
     with pytest.raises(TypeError, match="GraphOptions"):
         GraphRunner(object(), options={"outputs": "clone"}, backend=object())
 

@@ -100,8 +100,12 @@ class CudaCommunicator:
         self.devices = list(devices)
         self.pids = tuple(range(len(self.devices)))
         self.use_nccl = nccl_available() if use_nccl is None else use_nccl
-        self.p2p_max_bytes = (globals()["p2p_all_reduce_max_bytes"]() if p2p_all_reduce_max_bytes is None
-                              else p2p_all_reduce_max_bytes)
+        limit = p2p_all_reduce_max_bytes
+        if limit is None:
+            limit = globals()["p2p_all_reduce_max_bytes"]()
+        elif not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"p2p_all_reduce_max_bytes: expected an int >= 0 (bytes) or None, got {limit!r}")
+        self.p2p_max_bytes = limit
         enable_peer_access(self.devices)
         self._send: dict[tuple[int, int], tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]] = {}
 
