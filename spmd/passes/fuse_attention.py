@@ -253,19 +253,31 @@ def _scaled_scores(
         return x, 1.0, (), None
     if x.opcode == "convert" and _single_use(x, users):
         return _opmath_scaled_scores(x, users)
+    found = _scaled_by_constant(x, users)
+    if found is None or found[0].opcode != "dot":
+        return None
+    s, scale, inter, const = found
+    return s, scale, (*inter, x), const
+
+
+def _scaled_by_constant(
+    x: Instruction, users: _Users
+) -> tuple[Instruction, float, tuple[Instruction, ...], Instruction] | None:
+    """(y, scale, the broadcast of c if any, c) for a single-use ``x = y * c | c * y | y / c``
+    with c a positive finite scalar constant; None otherwise."""
     if x.opcode not in ("multiply", "divide") or not _single_use(x, users):
         return None
     lhs, rhs = x.operands
     pairs = ((lhs, rhs), (rhs, lhs)) if x.opcode == "multiply" else ((lhs, rhs),)
-    for s, c in pairs:
+    for y, c in pairs:
         found = _scalar_constant(c, users)
-        if found is None or s.opcode != "dot":
+        if found is None or c is y:
             continue
         value, inter, const = found
         scale = value if x.opcode == "multiply" else (1.0 / value if value != 0 else math.inf)
         if not math.isfinite(scale) or scale <= 0:
             return None
-        return s, scale, (*inter, x), const
+        return y, scale, inter, const
     return None
 
 
@@ -279,23 +291,16 @@ def _opmath_scaled_scores(
     the computation's, not the scores'.
     """
     inner = x.operands[0]
-    if inner.opcode not in ("multiply", "divide") or not _single_use(inner, users):
+    found = _scaled_by_constant(inner, users)
+    if found is None:
         return None
-    lhs, rhs = inner.operands
-    pairs = ((lhs, rhs), (rhs, lhs)) if inner.opcode == "multiply" else ((lhs, rhs),)
-    for up, c in pairs:
-        found = _scalar_constant(c, users)
-        if found is None or up.opcode != "convert" or not _single_use(up, users):
-            continue
-        s = up.operands[0]
-        if s.opcode != "dot" or s.shape.dtype != x.shape.dtype:
-            continue
-        value, inter, const = found
-        scale = value if inner.opcode == "multiply" else (1.0 / value if value != 0 else math.inf)
-        if not math.isfinite(scale) or scale <= 0:
-            return None
-        return s, scale, (up, *inter, inner, x), const
-    return None
+    up, scale, inter, const = found
+    if up.opcode != "convert" or not _single_use(up, users):
+        return None
+    s = up.operands[0]
+    if s.opcode != "dot" or s.shape.dtype != x.shape.dtype:
+        return None
+    return s, scale, (up, *inter, inner, x), const
 
 
 def _scalar_constant(
