@@ -236,9 +236,10 @@ class CudaGraphBackend:
         self._join_all(events)
         return outputs
 
-    def _issue_split(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int]) -> list[list[Tensor]]:
+    def _issue_split(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int],
+                     events: list[Any]) -> list[list[Tensor]]:
         """Issue the program into one graph per device (``graphs_cuda_split.issue_split``)."""
-        return issue_split(self, program, steps, call, foreign)
+        return issue_split(self, program, steps, call, foreign, events)
 
     def _join_all(self, events: list[Any]) -> None:
         """Join every stream into the launch stream; with external events, each other device's

@@ -60,6 +60,7 @@ def capture_split(backend: Any, program: Any, steps: list, call: Any, foreign: s
     device_index = torch.cuda.current_device()
     callers = [torch.cuda.current_stream(env.device) for env in envs]
     graphs = [torch.cuda.CUDAGraph() for _ in envs]
+    events: list[Any] = []  # fork / join events, kept alive with the graphs as in the one-graph capture
     opened: list[int] = []
     try:
         for k, (env, graph) in enumerate(zip(envs, graphs, strict=True)):
@@ -68,7 +69,7 @@ def capture_split(backend: Any, program: Any, steps: list, call: Any, foreign: s
                 graph.capture_begin(capture_error_mode=SPLIT_CAPTURE_MODE)
             opened.append(k)
         try:
-            outputs = backend._issue_split(program, steps, call, foreign)
+            outputs = backend._issue_split(program, steps, call, foreign, events)
         except BaseException:
             _abort(envs, graphs, opened)
             raise
@@ -82,7 +83,7 @@ def capture_split(backend: Any, program: Any, steps: list, call: Any, foreign: s
         raise
     finally:
         st.restore(callers, device_index)
-    return CudaCaptured(graphs[0], outputs, [], device_graphs=graphs)
+    return CudaCaptured(graphs[0], outputs, events, device_graphs=graphs)
 
 
 def issue_steps(backend: Any, program: Any, steps: list, call: Any, foreign: set[int]) -> list[list[Tensor]]:
@@ -108,12 +109,17 @@ def issue_steps(backend: Any, program: Any, steps: list, call: Any, foreign: set
     return outputs
 
 
-def issue_split(backend: Any, program: Any, steps: list, call: Any, foreign: set[int]) -> list[list[Tensor]]:
-    """Fork each device's streams from its main stream, issue the thunks, join them back."""
+def issue_split(backend: Any, program: Any, steps: list, call: Any, foreign: set[int],
+                events: list[Any]) -> list[list[Tensor]]:
+    """Fork each device's streams from its main stream, issue the thunks, join them back.
+
+    The events made for the forks and joins are appended to ``events``.
+    """
     envs = backend.envs
     for env in envs:
         fork = torch.cuda.Event()
         fork.record(env.main)
+        events.append(fork)
         for s in env.streams.values():
             if s != env.main:
                 s.wait_event(fork)
@@ -124,6 +130,7 @@ def issue_split(backend: Any, program: Any, steps: list, call: Any, foreign: set
                 ev = torch.cuda.Event()
                 ev.record(s)
                 env.main.wait_event(ev)
+                events.append(ev)
     return outputs
 
 
