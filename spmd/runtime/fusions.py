@@ -32,7 +32,7 @@ import torch
 from spmd.ir.hlo import ELEMENTWISE_OPCODES
 
 # Opcodes whose kernel result is fresh memory (never a view or an operand): safe to write into.
-FRESH_OPCODES = (ELEMENTWISE_OPCODES - {"convert"}) | {"dot", "dynamic-update-slice", "concatenate"}
+FRESH_OPCODES = (ELEMENTWISE_OPCODES - {"convert"}) | {"dot", "dynamic-update-slice", "concatenate", "fusion"}
 # Custom-call targets whose kernel returns one of its operands (not fresh memory).
 _ALIASING_CUSTOM_CALLS = frozenset({"Sharding"})
 
@@ -40,13 +40,11 @@ _ALIASING_CUSTOM_CALLS = frozenset({"Sharding"})
 def is_fresh(inst) -> bool:
     """Whether the kernel of ``inst`` always returns fresh memory (never a view of an operand).
 
-    ``FRESH_OPCODES``, fusions, and custom calls other than the identity ``Sharding`` (their kernels are
-    PyTorch functions returning new tensors).
+    ``FRESH_OPCODES`` (fusions among them), and custom calls other than the identity ``Sharding``
+    (their kernels are PyTorch functions returning new tensors).
     """
     if inst.opcode == "custom-call":
         return inst.attrs.get("custom_call_target") not in _ALIASING_CUSTOM_CALLS
-    if inst.opcode == "fusion":
-        return True
     return inst.opcode in FRESH_OPCODES
 
 

@@ -74,6 +74,9 @@ def p2p_all_reduce_max_bytes() -> int:
     return value
 
 
+_limit_from_env = p2p_all_reduce_max_bytes  # the constructor's argument of the same name shadows it
+
+
 def nccl_available() -> bool:
     """Whether this PyTorch build has ``torch.cuda.nccl`` collectives."""
     try:
@@ -102,7 +105,7 @@ class CudaCommunicator:
         self.use_nccl = nccl_available() if use_nccl is None else use_nccl
         limit = p2p_all_reduce_max_bytes
         if limit is None:
-            limit = globals()["p2p_all_reduce_max_bytes"]()
+            limit = _limit_from_env()
         elif not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ValueError(f"p2p_all_reduce_max_bytes: expected an int >= 0 (bytes) or None, got {limit!r}")
         self.p2p_max_bytes = limit
