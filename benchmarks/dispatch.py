@@ -158,22 +158,27 @@ def _measure_spmd(spmd: Any, mesh: Any, cases: dict, wl: str, sync: Callable[[],
             continue
         rec = measure(src, wl, lambda f=f, a=placed: f(*a), sync, args, extra)
         if graphs and args.device == "cuda" and rec.get("error") is None:
-            common.emit({"kind": "kernels", "source": src, "workload": wl, "devices": _kernels(f, placed)})
+            emit_kernels(src, wl, lambda f=f, a=placed: f(*a))
     del placed
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def _kernels(f: Callable, placed: list) -> list[dict] | str:
-    """Per device, the kernels of one call (``benchmarks.gpu_kernels``), or the error text."""
+def emit_kernels(source: str, workload: str, call: Callable[[], Any]) -> None:
+    """Emit a ``kernels`` record: per device, the kernels of one ``call()`` (``benchmarks.gpu_kernels``).
+
+    The profile is process-wide (CUPTI), so it also sees the kernels JAX launches. A failed
+    profile is recorded as its error text: it is a note and must not cost the measurement.
+    """
     from dataclasses import asdict
 
     from benchmarks.gpu_kernels import kernel_summary
 
     try:
-        return [asdict(d) for d in kernel_summary(lambda: f(*placed))]
-    except Exception as exc:  # the profile is a note; its failure must not cost the measurement
-        return f"{type(exc).__name__}: {exc}"[:200]
+        devices: list[dict] | str = [asdict(d) for d in kernel_summary(call)]
+    except Exception as exc:
+        devices = f"{type(exc).__name__}: {exc}"[:200]
+    common.emit({"kind": "kernels", "source": source, "workload": workload, "devices": devices})
 
 
 def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[list[dict], list[dict]]:
@@ -239,14 +244,17 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
 
 
 def _kernel_note(r: dict[str, Any]) -> str:
-    """One line per profiled variant: kernels per call on the busiest device, by class."""
+    """One line per profiled variant: kernels per call on the busiest device, by class, and
+    whether its longest kernels include TF32 GEMMs (the check that each column ran the stated
+    precision)."""
     devs = r.get("devices")
     if not isinstance(devs, list) or not devs:
         return f"{r['source']}/{r['workload']}: kernel profile n/a: {devs}"
     d = max(devs, key=lambda x: x["busy_us"])
+    tf32 = any("tf32" in name.lower() or "tensorop_s1688" in name.lower() for name, *_ in d.get("top", ()))
     return (f"{r['source']}/{r['workload']}: GPU kernels per call on cuda:{d['device']}: {d['kernels']} kernels, "
             f"busy {d['busy_us']:.1f} µs = GEMM/attention {d['matmul_us']:.1f} + collectives "
-            f"{d['collective_us']:.1f} + other {d['other_us']:.1f}")
+            f"{d['collective_us']:.1f} + other {d['other_us']:.1f}" + ("; TF32 GEMMs among them" if tf32 else ""))
 
 
 def _note(r: dict[str, Any]) -> str:

@@ -15,12 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 _MATMUL = re.compile(r"gemm|sgemm|xmma|cutlass|splitKreduce|fmha|flash|attention|cublas", re.IGNORECASE)
-_COLLECTIVE = re.compile(r"nccl|PtoP", re.IGNORECASE)
+#: NCCL kernels, peer copies, and XLA's own collective kernels (``all_reduce_1_0_fusion_1``, ...).
+_COLLECTIVE = re.compile(r"nccl|PtoP|all[_-]?reduce|all[_-]?gather|reduce[_-]?scatter|collective[_-]?permute",
+                         re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class DeviceKernels:
-    """One device's kernels per call: count, and summed µs by class (matmul, collective, other)."""
+    """One device's kernels per call: count, summed µs by class (matmul, collective, other), and
+    ``top``: the longest kernels as (name[:80], launches per call, µs per call), longest first."""
 
     device: int
     kernels: int
@@ -28,6 +31,7 @@ class DeviceKernels:
     matmul_us: float
     collective_us: float
     other_us: float
+    top: tuple[tuple[str, float, float], ...] = ()
 
 
 def kind(name: str) -> str:
@@ -37,11 +41,11 @@ def kind(name: str) -> str:
     return "matmul" if _MATMUL.search(name) else "other"
 
 
-def kernel_summary(fn: Callable[[], object], calls: int = 10) -> list[DeviceKernels]:
+def kernel_summary(fn: Callable[[], object], calls: int = 10, top: int = 8) -> list[DeviceKernels]:
     """Per CUDA device that ran kernels, a :class:`DeviceKernels` averaged over ``calls`` calls.
 
     ``fn`` is called once untimed, then ``calls`` times under ``torch.profiler`` (CUDA activity);
-    every device is synchronized before the profile ends.
+    every device is synchronized before the profile ends. ``top`` longest kernel names are kept.
     """
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -56,15 +60,19 @@ def kernel_summary(fn: Callable[[], object], calls: int = 10) -> list[DeviceKern
             torch.cuda.synchronize(i)
     count: dict[int, int] = defaultdict(int)
     by_kind: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    by_name: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
         count[ev.device_index] += 1
         by_kind[ev.device_index][kind(ev.name)] += us
+        by_name[ev.device_index][ev.name[:80]].append(us)
     out = []
     for dev in sorted(count):
         k = by_kind[dev]
+        longest = sorted(by_name[dev].items(), key=lambda kv: -sum(kv[1]))[:top]
         out.append(DeviceKernels(dev, round(count[dev] / calls), sum(k.values()) / calls, k["matmul"] / calls,
-                                 k["collective"] / calls, k["other"] / calls))
+                                 k["collective"] / calls, k["other"] / calls,
+                                 tuple((n, len(v) / calls, sum(v) / calls) for n, v in longest)))
     return out

@@ -143,12 +143,17 @@ def jnp_workloads() -> dict[str, Callable]:
 
 
 def _timed_jit(fn: Callable, xs: Sequence[Any], shardings: dict[str, Any], precision: str,
-               args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+               args: argparse.Namespace, name: str) -> tuple[dict[str, Any], Any]:
     """``jax.jit(fn, **shardings)`` at ``precision``, timed with ``common.host_call_times``.
 
-    Returns (record fields: enqueue/throughput/synced µs, ``rel_err_vs_f32`` against the same
-    program at full float32, ``matmul_precision``, ``hlo`` collective counts of the compiled
-    program; the first output). Exceptions propagate.
+    Returns (record fields: enqueue/throughput/synced µs, ``rel_err_vs_f32`` of the timed
+    program's output against the same program at full float32, ``matmul_precision``, ``hlo``
+    collective counts of the compiled program; the timed program's last output). On GPU it also
+    emits the ``kernels`` record of workload ``name`` (``benchmarks.dispatch.emit_kernels``).
+
+    Every call, timed or profiled, runs inside ``jax.default_matmul_precision(precision)``: JAX
+    keys its jit cache on that setting, so a call outside the context would trace and run a
+    second program at JAX's default precision (TF32 on these GPUs). Exceptions propagate.
     """
     import jax
     import jax.numpy as jnp
@@ -157,19 +162,22 @@ def _timed_jit(fn: Callable, xs: Sequence[Any], shardings: dict[str, Any], preci
         f = jax.jit(fn, **shardings)
         last: list[Any] = [f(*xs)]
         counts = common.hlo_op_counts(f.lower(*xs).compile().as_text())
-    first = last[0]
+
+        def call() -> None:
+            last[0] = f(*xs)
+
+        enq, thru, syn = common.host_call_times(call, lambda: last[0].block_until_ready(),
+                                                calls=args.calls, rounds=args.rounds)
+        if jax.devices()[0].platform == "gpu":
+            from benchmarks.dispatch import emit_kernels
+
+            emit_kernels(args.label, name, lambda: (call(), last[0].block_until_ready()))
+        timed = last[0]
     with jax.default_matmul_precision("float32"):
         ref = jax.jit(fn, **shardings)(*xs)
-    rel_err = float(jnp.linalg.norm(first - ref) / jnp.linalg.norm(ref))
-    del ref
-
-    def call() -> None:
-        last[0] = f(*xs)
-
-    enq, thru, syn = common.host_call_times(call, lambda: last[0].block_until_ready(),
-                                            calls=args.calls, rounds=args.rounds)
+    rel_err = float(jnp.linalg.norm(timed - ref) / jnp.linalg.norm(ref))
     return ({"enqueue_us": enq, "throughput_us": thru, "synced_us": syn, "error": None,
-             "rel_err_vs_f32": rel_err, "matmul_precision": precision, "hlo": counts}, first)
+             "rel_err_vs_f32": rel_err, "matmul_precision": precision, "hlo": counts}, timed)
 
 
 def _failed(exc: BaseException) -> dict[str, Any]:
@@ -206,7 +214,8 @@ def minilm_fields(mesh: Any, seed: int, args: argparse.Namespace, precision: str
     xs = [{k: jax.device_put(v, p_sh[k]) for k, v in params.items()}, jax.device_put(ids, rep),
           jax.device_put(mask, rep)]
     fn = lambda p, i, m: jm.sentence_embeddings(ops, p, i, m, dims)  # noqa: E731
-    rec, out = _timed_jit(fn, xs, {"in_shardings": (p_sh, rep, rep), "out_shardings": rep}, precision, args)
+    rec, out = _timed_jit(fn, xs, {"in_shardings": (p_sh, rep, rep), "out_shardings": rep}, precision, args,
+                          "minilm")
     rec["rel_err_vs_torch"] = common.rel_error(torch.from_numpy(np.array(out, dtype=np.float32)), ref)
     rec["real_weights"] = case.real_weights
     return rec
@@ -238,7 +247,7 @@ def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None
             xs = [jax.device_put((rng.standard_normal(s) / math.sqrt(s[-1])).astype(np.float32), spec(sp))
                   for s, sp in zip(wl.shapes, wl.specs, strict=True)]
             shardings = {"in_shardings": tuple(spec(sp) for sp in wl.specs), "out_shardings": spec(wl.out_spec)}
-            rec, _ = _timed_jit(fn, xs, shardings, precision, args)
+            rec, _ = _timed_jit(fn, xs, shardings, precision, args, name)
         except Exception as exc:
             rec = _failed(exc)
         common.emit({"kind": "dispatch", "source": label, "workload": name, **rec})

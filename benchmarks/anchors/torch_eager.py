@@ -2,7 +2,8 @@
 
 ``python3 -m benchmarks.anchors.torch_eager [--device cuda|cpu]``: for every workload of
 ``benchmarks.workloads`` (and MiniLM from ``spmd.models`` when it loads), the host time per
-call, enqueue-only and synced (µs), printed as JSON records with source ``torch-eager``.
+call, enqueue-only and synced (µs), printed as JSON records with source ``torch-eager``, and on
+a GPU the kernels of one call (``kind: kernels``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import common
-from benchmarks.dispatch import fail, measure, parse_args, set_torch_precision
+from benchmarks.dispatch import emit_kernels, fail, measure, parse_args, set_torch_precision
 
 SOURCE = "torch-eager"
 
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             fail(SOURCE, name, exc)
             continue
-        measure(SOURCE, name, fn, sync, args)
+        rec = measure(SOURCE, name, fn, sync, args)
+        if args.device == "cuda" and rec.get("error") is None:
+            emit_kernels(SOURCE, name, fn)
     return 0
 
 
