@@ -18,6 +18,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -440,3 +441,12 @@ class Deadline:
     def expired(self, margin_s: float = 0.0) -> bool:
         """True when fewer than ``margin_s`` seconds remain."""
         return self.left() < margin_s
+
+
+def require_cuda(tool: str) -> None:
+    """Exit with a one-line message (status 2) unless PyTorch sees a CUDA GPU; ``tool`` names the caller."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{tool}: needs a CUDA GPU (torch.cuda.is_available() is False here)", file=sys.stderr)
+        raise SystemExit(2)

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         raise ValueError(f"--variants: expected names from {tuple(VARIANTS)}, got {bad}")
+    common.require_cuda("benchmarks.probe.ablate")
     import torch
 
     import spmd

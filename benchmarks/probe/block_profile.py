@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs-only", action="store_true", help="skip spmd eager")
     ap.add_argument("--host-profile", type=int, default=0, help="cProfile this many calls; print the top rows")
     args = ap.parse_args(argv)
+    common.require_cuda("benchmarks.probe.block_profile")
     import torch
 
     import spmd

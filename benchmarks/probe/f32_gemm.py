@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-jax", action="store_true")
     args = ap.parse_args(argv)
+    common.require_cuda("benchmarks.probe.f32_gemm")
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
