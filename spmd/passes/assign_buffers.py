@@ -7,7 +7,8 @@ for that producer (record-event / wait-event), which also makes everything the
 producer had waited for visible. An async-start runs its called computation on its
 stream at its own position; ``*-done``, ``tuple`` and ``get-tuple-element`` are
 aliases, not ops; constants, partition-id and small values computed only from them
-are folded by the runtime and carry no synchronisation.
+are folded by the runtime (``spmd.passes.folding``): they get no bytes and carry no
+synchronisation.
 
 Two values may share bytes only if every access (write or read) of one happens
 before the first write of the other, where "a happens before b" is: same stream and
@@ -41,13 +42,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from spmd.ir.hlo import Instruction, Module
+from spmd.passes.folding import folded_instructions
 from spmd.passes.views import view_instructions
 
 ALIGN_BYTES = 256
 _ALIASES = frozenset({"tuple", "get-tuple-element", "all-gather-done", "collective-permute-done",
                       "all-reduce-done", "async-done"})
 _PAIR_STARTS = frozenset({"collective-permute-start", "all-gather-start"})
-_FOLD_MAX_NUMEL = 1024
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class _Liveness:
         self.producer: dict[str, int] = {}        # value name -> position of its writer
         self.vc: list[dict[int, int]] = []        # per position: clock before the op runs
         self.inplace: list[tuple[str, Instruction]] = []  # (operand value, DUS writer)
-        self.folded: set[int] = set()
+        self.folded = folded_instructions(self.comp)  # computed on the host by the lowering: no bytes, no op
         names = view_instructions(module)
         self.views = {id(i) for i in self.comp.instructions if i.name in names}
         self._walk()
@@ -139,8 +140,7 @@ class _Liveness:
         if op in _ALIASES:
             self.src[id(inst)] = self._alias(inst)
             return []
-        if self._foldable(inst):
-            self.folded.add(id(inst))
+        if id(inst) in self.folded:
             self.src[id(inst)] = []
             return []
         if id(inst) in self.views:
@@ -188,6 +188,9 @@ class _Liveness:
             if b.opcode == "parameter":
                 local[id(b)] = self.src[id(start.operands[b.attrs["parameter_number"]])]
                 continue
+            if id(b) in self.folded:  # the lowering folds it too: no bytes
+                local[id(b)] = []
+                continue
             for o in b.operands:
                 for n in local.get(id(o), []):
                     self._read(n, at, b)
@@ -207,16 +210,6 @@ class _Liveness:
         if inst.opcode == "get-tuple-element" and o.opcode == "tuple":
             return self.src[id(o.operands[inst.attrs["index"]])]
         return self.src[id(o)]
-
-    def _foldable(self, inst: Instruction) -> bool:
-        if inst.opcode in ("constant", "partition-id", "iota"):
-            return True
-        if inst.opcode in ("custom-call", "async-start", "fusion") or inst.shape.is_tuple or "start" in inst.opcode:
-            return False
-        from spmd.ir.hlo import COLLECTIVE_OPCODES
-
-        return (inst.opcode not in COLLECTIVE_OPCODES and inst.shape.numel <= _FOLD_MAX_NUMEL
-                and all(id(o) in self.folded for o in inst.operands))
 
     def _new(self, name: str, size: int, at: tuple[int, int]) -> None:
         self.values[name] = _Value(name, size, at, [at])

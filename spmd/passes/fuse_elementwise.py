@@ -43,7 +43,7 @@ from typing import ClassVar
 
 from spmd.ir.builder import Builder
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module
-from spmd.passes.views import folded_instructions
+from spmd.passes.folding import folded_instructions
 
 FUSIBLE_CUSTOM_CALLS = frozenset({"gelu", "silu", "layer-norm", "softmax"})
 #: Ops that cost no kernel of their own (views or literals): duplicated into a group when shared.

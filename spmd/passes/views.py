@@ -22,7 +22,8 @@ static ``slice`` (indexing) becomes a view of its operand 0 when
   einsum computations), tuples, a dynamic-update-slice's operand 0 (written in place) and
   the ``Sharding`` identity call do not;
 - it is not the root (an output is its own memory) and is not folded by the runtime
-  (constants, partition-id and small values computed only from them are persistent).
+  (``spmd.passes.folding``: constants, partition-id and small values computed only from
+  them are persistent).
 
 A view of a view is a view when the whole chain is. ``assign-buffers`` gives a view no bytes
 and counts every read of it as a read of the underlying value; the lowering
@@ -36,14 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd.ir.hlo import COLLECTIVE_OPCODES, ELEMENTWISE_OPCODES, Computation, Instruction, Module
+from spmd.ir.hlo import ELEMENTWISE_OPCODES, Instruction, Module
+from spmd.passes.folding import FOLD_MAX_NUMEL as FOLD_MAX_NUMEL  # re-exported: the folding threshold
+from spmd.passes.folding import folded_instructions as folded_instructions  # re-exported: the folding rule
 
 VIEW_OPCODES = frozenset({"reshape", "transpose", "broadcast", "slice"})
-FOLD_MAX_NUMEL = 1024  # the lowering's folding threshold (spmd.runtime.lower.FOLD_MAX_NUMEL)
 _STRIDED_READERS = ELEMENTWISE_OPCODES | VIEW_OPCODES | frozenset({"dot", "reduce", "concatenate", "pad", "gather",
                                                                     "fusion"})
 _STRIDED_CUSTOM_CALLS = frozenset({"softmax", "layer-norm", "attention", "gelu", "silu"})
-_NOT_FOLDED = frozenset({"parameter", "custom-call", "tuple", "get-tuple-element", "async-start", "fusion"})
 
 Strides = tuple[int, ...] | None  # element strides; None = not known statically
 
@@ -101,27 +102,6 @@ def reads_strided(user: Instruction, index: int) -> bool:
     if op == "dynamic-update-slice":
         return index == 1
     return False
-
-
-def folded_instructions(comp: Computation) -> set[int]:
-    """ids of the instructions the lowering folds into persistent per-device values.
-
-    Constants, partition-id, and every non-tuple instruction (not a parameter, custom call,
-    collective or async op) of at most ``FOLD_MAX_NUMEL`` elements whose operands are all
-    folded (``spmd.runtime.lower``'s rule).
-    """
-    out: set[int] = set()
-    for inst in comp.instructions:
-        if inst.opcode in ("constant", "partition-id") or _folds_with_operands(inst, out):
-            out.add(id(inst))
-    return out
-
-
-def _folds_with_operands(inst: Instruction, folded: set[int]) -> bool:
-    op = inst.opcode
-    return (op not in _NOT_FOLDED and op not in COLLECTIVE_OPCODES and not op.endswith(("-start", "-done"))
-            and not inst.shape.is_tuple and inst.shape.numel <= FOLD_MAX_NUMEL
-            and all(id(o) in folded for o in inst.operands))
 
 
 def contiguous_strides(dims: tuple[int, ...]) -> tuple[int, ...]:

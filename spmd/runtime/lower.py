@@ -6,9 +6,10 @@ each with an execution stream id; async collectives as start/done; WaitForStream
 - ``parameter`` binds an argument slot; ``tuple`` / ``get-tuple-element`` / ``*-done`` are pure
   aliasing resolved here (no thunk).
 - ``constant``, ``partition-id`` and every small value computed only from them (the offset
-  arithmetic of dynamic-slice / dynamic-update-slice) are folded once per device at lowering
-  time into persistent tensors: a call pays nothing for them. On GPU, offset operands of
-  dynamic-slice / dynamic-update-slice read a host copy, so the kernels never sync.
+  arithmetic of dynamic-slice / dynamic-update-slice, small iotas) are folded once per device
+  at lowering time into persistent tensors: a call pays nothing for them. The rule is
+  ``spmd.passes.folding`` (shared with assign-buffers and the view analysis). On GPU, offset
+  operands of dynamic-slice / dynamic-update-slice read a host copy, so the kernels never sync.
 - ``async-start`` inlines its ``calls`` computation as thunks on the async-start's stream.
 - collectives and their ``*-start`` forms become ``CollectiveThunk``s.
 - every other instruction becomes a ``KernelThunk`` from ``kernels.compile_kernel``, writing
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 
 from spmd.ir.hlo import Computation, Instruction, Module
+from spmd.passes.folding import FOLD_MAX_NUMEL as FOLD_MAX_NUMEL  # re-exported: the folding threshold
+from spmd.passes.folding import is_foldable
 from spmd.runtime import aliasing, fusions
 from spmd.runtime.donation import plan_donation
 from spmd.runtime.stream_joins import attach_releases, stream_joins
@@ -49,8 +52,6 @@ from spmd.runtime.thunks import (
     WaitEventThunk,
 )
 
-FOLD_MAX_NUMEL = 1024  # values computed only from constants / partition-id up to this size are folded
-_FOLD_NEVER = frozenset({"custom-call", "parameter", "fusion"})
 _COLLECTIVE_KIND = {
     "all-gather": "all-gather", "all-gather-start": "all-gather",
     "reduce-scatter": "reduce-scatter",
@@ -96,6 +97,8 @@ class Program:
         (``spmd.runtime.hazards`` reads both.)
       view_slots: result slots of the kernel thunks that return a view of an operand
         without running a kernel (``spmd.passes.views`` and parameter slices).
+      folded_names: names of the instructions whose values were folded at lowering time
+        (``spmd.passes.folding``; persistent values in ``templates``).
     """
 
     num_slots: int
@@ -112,6 +115,7 @@ class Program:
     shares: dict[int, tuple[int, ...]] = field(default_factory=dict)
     in_place: dict[int, int] = field(default_factory=dict)
     view_slots: frozenset[int] = frozenset()
+    folded_names: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)
@@ -168,16 +172,12 @@ class _Lowerer:
             return ref[1] if isinstance(ref, tuple) else ref
         if op == "async-start":
             return self.lower_async_start(inst, sid)
-        if op == "partition-id":
-            slot = self.new_slot(inst)
-            self.folded[slot] = [torch.tensor(p, dtype=torch.uint32) for p in self.pids]
-            return slot
         ins = [self.refs[id(o)] for o in inst.operands]
         if any(isinstance(r, tuple) for r in ins):
             raise ValueError(f"%{inst.name} ({op}): tuple-valued operands are not supported by the runtime")
         if op in _COLLECTIVE_KIND:
             return self.lower_collective(inst, sid, ins)
-        if self.foldable(inst, ins):
+        if is_foldable(inst, all(s in self.folded for s in ins)):
             return self.fold(inst, ins)
         slot = self.new_slot(inst)
         self.ops.append(Op(inst, sid, ins, slot, buffer_name=inst.name))
@@ -210,18 +210,16 @@ class _Lowerer:
         return (ins[0], slot) if inst.opcode in _PAIR_STARTS else slot
 
     # ------------------------------------------------------------------ folding
-    def foldable(self, inst: Instruction, ins: list[int]) -> bool:
-        if inst.opcode in _FOLD_NEVER or inst.shape.is_tuple:
-            return False
-        if inst.opcode == "constant":
-            return True
-        return all(s in self.folded for s in ins) and inst.shape.numel <= FOLD_MAX_NUMEL
-
     def fold(self, inst: Instruction, ins: list[int]) -> int:
+        """A new slot holding ``inst``'s value per local device, computed now on the host
+        (``inst`` is ``spmd.passes.folding.is_foldable``; ``ins`` are folded slots)."""
         from spmd.runtime.kernels import compile_kernel
 
-        fn = compile_kernel(inst)
         slot = self.new_slot(inst)
+        if inst.opcode == "partition-id":
+            self.folded[slot] = [torch.tensor(p, dtype=torch.uint32) for p in self.pids]
+            return slot
+        fn = compile_kernel(inst)
         self.folded[slot] = [fn([self.folded[s][k] for s in ins], None) for k in range(len(self.pids))]
         return slot
 
@@ -326,7 +324,8 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
                    arena_size_bytes=int(getattr(buffers, "arena_size_bytes", 0) or 0),
                    donated_params=tuple(plan[k] for k in sorted(plan)), shares=aliasing.shares(lw.ops, op_buffers),
                    in_place={op.out: op.alias_of for op in lw.ops if op.alias_of >= 0},
-                   view_slots=frozenset(op.out for op in lw.ops if "view" in op.extra))
+                   view_slots=frozenset(op.out for op in lw.ops if "view" in op.extra),
+                   folded_names=frozenset(lw.slot_inst[s].name for s in lw.folded))
 
 
 def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:
