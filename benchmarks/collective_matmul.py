@@ -13,8 +13,11 @@ Runs, each in its own time-boxed child process so that one failure costs only it
 3. ``benchmarks.anchors.jax_xla`` twice: XLA's default flags, then windowed einsum forced on.
 
 Every source measures its own limit = max(compute-only, comm-only) in the same run, and each
-variant is reported as time (ms) and × that limit. Output: one table per side (printed;
-appended to ``docs/benchmarks.md`` with ``--doc``), ``cm_results.json`` and
+variant is reported as time (ms) and × that limit. A child that fails or times out keeps its
+columns (n/a cells) and gets a note with its exit code or time-out and the last line of its
+output. On ``--device cpu`` the XLA children see ``tp`` virtual host devices
+(``benchmarks.harness.jax_child_env``). Output: one table per side (printed; appended to
+``docs/benchmarks.md`` with ``--doc``), ``cm_results.json`` and
 ``benchmarks_collective_matmul.png`` in ``--out`` (the plot also beside ``--doc``).
 """
 
@@ -29,7 +32,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting
+from benchmarks import common, harness, reporting
 from benchmarks.cm_local import BF16_TOLERANCE, SPMD_VARIANTS, build_parser, finish_args
 
 PLOT_NAME = "benchmarks_collective_matmul.png"
@@ -76,10 +79,23 @@ def ratios(idx: dict[tuple, dict[str, Any]], side: str, shapes: Sequence[tuple[i
     return out
 
 
-def side_table(idx: dict[tuple, dict[str, Any]], side: str, shapes: Sequence[tuple[int, ...]]
-               ) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows of one side's table: shape, local limit, then ``ms ×ratio`` per column."""
-    cols = [c for c in COLUMNS if any((c[0], side, s, c[1]) in idx for s in shapes)]
+def source_columns(source: str, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The :data:`COLUMNS` keys that child ``source`` (or its ``-again`` rerun) measures with ``args``."""
+    source = source.removesuffix("-again")
+    if source == "local" and not args.no_spmd:
+        return [("local", "serial"), *[("local", v) for v in args.spmd_variants]]
+    return [c for c in COLUMNS if c[0] == source and not c[1].startswith("spmd:")]
+
+
+def side_table(idx: dict[tuple, dict[str, Any]], side: str, shapes: Sequence[tuple[int, ...]],
+               expected: Iterable[tuple[str, str]] = ()) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of one side's table: shape, local limit, then ``ms ×ratio`` per column.
+
+    Columns: those with a record on this side, plus ``expected`` (the columns of children that
+    ran, so that a child that failed before its first record still shows as n/a cells).
+    """
+    expected = set(expected)
+    cols = [c for c in COLUMNS if c in expected or any((c[0], side, s, c[1]) in idx for s in shapes)]
     headers = ["M, K, N", "limit ms", "compute", "comm", *[COLUMNS[c] for c in cols]]
     rows = []
     for s in shapes:
@@ -132,23 +148,31 @@ def notes(idx: dict[tuple, dict[str, Any]], side: str) -> list[str]:
 
 def plan_children(args: argparse.Namespace, shapes: Sequence[tuple[int, ...]], no_spmd: bool = False
                   ) -> dict[str, tuple[list[str], dict[str, str], list[str]]]:
-    """Command, extra env and env keys to drop for each child, by source name."""
+    """Command, extra env and env keys to drop for each child, by source name.
+
+    The XLA children's environment comes from :func:`harness.jax_child_env`: on CPU ``tp``
+    virtual host devices (windowed: plus :data:`WINDOWED_XLA_FLAGS`), on GPU no caller
+    ``XLA_FLAGS`` (windowed: exactly :data:`WINDOWED_XLA_FLAGS`). ``--seed`` goes to every child
+    when given.
+    """
     py = sys.executable
     common_args = ["--tp", str(args.tp), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
                    "--reps", str(args.reps), "--shapes", ";".join(",".join(map(str, s)) for s in shapes),
                    "--sides", ",".join(args.sides)]
+    common_args += [] if args.seed is None else ["--seed", str(args.seed)]
     local = [py, "-m", "benchmarks.cm_local", *common_args, "--device", args.device,
              "--spmd-variants", ",".join(args.spmd_variants)]
     local += ["--no-spmd"] if (no_spmd or args.no_spmd) else []
     local += ["--no-check"] if args.no_check else []
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.tp}",
                 "-m", "benchmarks.anchors.torch_symm_mem", *common_args]
-    jax = [py, "-m", "benchmarks.anchors.jax_xla", "--bench", "cm", *common_args]
+    jax = [py, "-m", "benchmarks.anchors.jax_xla", "--bench", "cm", "--device", args.device, *common_args]
     return {
         "local": (local, {}, []),
         "torch": (torchrun, {}, []),
-        "xla": ([*jax, "--label", "xla"], {}, ["XLA_FLAGS"]),
-        "xla-windowed": ([*jax, "--label", "xla-windowed"], {"XLA_FLAGS": WINDOWED_XLA_FLAGS}, []),
+        "xla": ([*jax, "--label", "xla"], *harness.jax_child_env(args.device, args.tp)),
+        "xla-windowed": ([*jax, "--label", "xla-windowed"],
+                         *harness.jax_child_env(args.device, args.tp, WINDOWED_XLA_FLAGS)),
     }
 
 
@@ -158,20 +182,25 @@ STARTUP_S = 25.0  # child start-up + margin between its own budget and the hard 
 
 
 def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[list[dict], list[dict]]:
-    """Run the selected children in order; returns (records, child status dicts)."""
+    """Run the selected children in order; returns (records, child status dicts).
+
+    Status holds one :func:`harness.child_status` dict per child run (and per rerun), and one per
+    child left unstarted after SIGTERM.
+    """
     records: list[dict] = []
     status: list[dict] = []
     shapes = [tuple(s) for s in args.shapes]
     children = plan_children(args, shapes)
     for name in [n for n in SHARES if n not in args.skip]:
         if common.terminated():
-            break
+            status.append(harness.child_status(harness.not_run(name, "SIGTERM received")))
+            continue
         box = max(0.0, (deadline.left() - args.reserve_s) * SHARES[name])
         cmd, extra, drop = children[name]
         cmd = [*cmd, "--budget-s", str(max(1.0, box - STARTUP_S))]
         res = common.run_child(name, cmd, box, common.child_env(extra, drop))
         records += res.records
-        status.append(_status(res))
+        status.append(harness.child_status(res))
         if not res.ok and not common.terminated():
             records += _rerun(args, name, res, deadline, status, no_spmd=name == "local")
     return records, status
@@ -194,26 +223,26 @@ def _rerun(args: argparse.Namespace, name: str, res: common.ChildResult, deadlin
     cmd, extra, drop = plan_children(args, missing, no_spmd=no_spmd)[name]
     again = common.run_child(f"{name}-again", [*cmd, "--budget-s", str(box - STARTUP_S)], box,
                              common.child_env(extra, drop))
-    status.append(_status(again))
+    status.append(harness.child_status(again))
     return [r for r in again.records if (r.get("side"), shape_key(r.get("shape", ()))) not in done]
 
 
-def _status(res: common.ChildResult) -> dict[str, Any]:
-    return {"name": res.name, "ok": res.ok, "returncode": res.returncode, "timed_out": res.timed_out,
-            "elapsed_s": round(res.elapsed_s, 1), "records": len(res.records),
-            "tail": "" if res.ok else res.tail[-1500:]}
-
-
 def report(records: list[dict], status: list[dict], args: argparse.Namespace, info: dict[str, Any]) -> dict:
-    """Print the tables, write JSON and plot, append to the docs; returns the results dict."""
+    """Print the tables, write JSON and plot, append to the docs; returns the results dict.
+
+    Every child that did not finish ok gets a note (:func:`harness.child_failure_notes`): printed
+    after the tables, under ``notes["children"]`` in the JSON and under the row set's children line.
+    """
     idx = index_records(records)
     shapes = [tuple(s) for s in args.shapes]
+    expected = [c for s in status for c in source_columns(s["name"], args)]
     body, panels = [], []
+    all_notes: dict[str, list[str]] = {"children": harness.child_failure_notes(status)}
     for side in args.sides:
-        headers, rows = side_table(idx, side, shapes)
+        headers, rows = side_table(idx, side, shapes, expected)
         title = f"{SIDE_TITLES[side]}, tp={args.tp}, bf16: time ms ×own limit"
         reporting.print_table(title, headers, rows)
-        side_notes = notes(idx, side)
+        side_notes = all_notes[side] = notes(idx, side)
         for line in side_notes:
             print("  " + line)
         body.append(f"### {title}\n\n{reporting.markdown_table(headers, rows)}\n")
@@ -221,8 +250,10 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
         labels = [",".join(map(str, s)) for s in shapes]
         panels.append((f"{SIDE_TITLES[side]} (tp={args.tp})", labels,
                        {k: v for k, v in ratios(idx, side, shapes).items() if any(x is not None for x in v)}))
+    for line in all_notes["children"]:
+        print("  " + line)
     results = {"info": info, "args": {k: v for k, v in vars(args).items() if k != "shapes"},
-               "shapes": shapes, "children": status, "records": records}
+               "shapes": shapes, "children": status, "notes": all_notes, "records": records}
     out = Path(args.out)
     reporting.write_json(out / "cm_results.json", results)
     pngs = [out / PLOT_NAME] + ([Path(args.doc).parent / PLOT_NAME] if args.doc else [])
@@ -230,25 +261,36 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
     if args.doc:
         run_line = "Children: " + ", ".join(f"{s['name']} ({'ok' if s['ok'] else 'failed'}, "
                                             f"{s['elapsed_s']} s)" for s in status)
+        run_line += "".join(f"\n- {line}" for line in all_notes["children"])
         plot = f"\n![collective matmul]({PLOT_NAME})\n" if written else ""
         reporting.append_row_set(Path(args.doc), f"collective matmul, tp={args.tp}", info,
                               run_line + "\n\n" + "\n".join(body) + plot)
     return results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; see the module docstring."""
-    common.apply_required_env()
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Options of the parent (the worker's plus ``--out``, ``--doc``, ``--skip``, ``--reserve-s``).
+
+    Unknown children, sides or spmd variants are usage errors (SystemExit 2, the message names
+    the flag, the allowed values and what was given); so are bad ``--shapes`` (argparse's message).
+    """
     ap = build_parser()
     ap.add_argument("--out", default="/tmp/spmd_bench_out", help="directory for cm_results.json and the plot")
     ap.add_argument("--doc", default=None, help="append a row set to this markdown file (docs/benchmarks.md)")
-    ap.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[],
-                    help=f"children to skip, of {list(SHARES)}")
+    ap.add_argument("--skip", type=harness.name_list(tuple(SHARES)), default=[],
+                    help=f"comma-separated children to skip, of: {', '.join(SHARES)}")
     ap.add_argument("--reserve-s", type=float, default=15.0, help="seconds kept for the report")
-    args = finish_args(ap.parse_args(argv))
-    bad = [s for s in args.skip if s not in SHARES]
-    if bad:
-        raise ValueError(f"--skip: expected names from {list(SHARES)}, got {bad}")
+    args = ap.parse_args(argv)
+    try:
+        return finish_args(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; see the module docstring."""
+    common.apply_required_env()
+    args = parse_args(argv)
     deadline = common.Deadline(args.budget_s)
     common.install_sigterm_handler()
     info = reporting.hardware_info()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -331,7 +332,9 @@ def parse_records(text: str) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class ChildResult:
-    """Outcome of a child process: its records, exit code (None on timeout) and output tail."""
+    """Outcome of a child process: its records, exit code (None on timeout), output tail and
+    ``error``, the line of its whole output that says why it failed (:func:`error_line`; '' if
+    it did not fail or said nothing)."""
 
     name: str
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -339,6 +342,7 @@ class ChildResult:
     timed_out: bool = False
     elapsed_s: float = 0.0
     tail: str = ""
+    error: str = ""
 
     @property
     def ok(self) -> bool:
@@ -425,7 +429,32 @@ def run_child(name: str, cmd: Sequence[str], timeout_s: float, env: Mapping[str,
     elapsed = time.perf_counter() - t0
     rc = None if timed_out else proc.returncode
     log(f"[{name}] {'timed out' if timed_out else f'exit {rc}'} after {elapsed:.1f} s")
-    return ChildResult(name, parse_records(text), rc, timed_out, elapsed, text[-4000:])
+    err = "" if rc == 0 else (last_line(text) if timed_out else error_line(text))
+    return ChildResult(name, parse_records(text), rc, timed_out, elapsed, text[-4000:], err)
+
+
+#: A line that reports an exception: ``[prefix]: pkg.SomeError: message`` (a launcher such as
+#: torchrun may prefix worker lines with their rank; an empty message does not count).
+_EXCEPTION_LINE = re.compile(r"^(\[[^\]]*\]:?\s*)?([A-Za-z_]\w*\.)*[A-Z]\w*(Error|Exception|Exit|Interrupt): \S")
+
+
+def last_line(text: str, limit: int = 300) -> str:
+    """The last line of a child's output that has a letter or digit and is not a result record
+    ('' if none), stripped and cut to ``limit`` characters."""
+    for line in reversed(text.splitlines()):
+        if any(c.isalnum() for c in line) and JSON_PREFIX not in line:
+            return line.strip()[:limit]
+    return ""
+
+
+def error_line(text: str, limit: int = 300) -> str:
+    """The line of a failed child's output that says why: the last exception line (``SomeError:
+    message``, see :data:`_EXCEPTION_LINE`), else :func:`last_line`. The first choice skips the
+    banners a launcher prints after its worker's traceback (torchrun's ``ChildFailedError``)."""
+    for line in reversed(text.splitlines()):
+        if _EXCEPTION_LINE.match(line.strip()) and JSON_PREFIX not in line:
+            return line.strip()[:limit]
+    return last_line(text, limit)
 
 
 class Deadline:

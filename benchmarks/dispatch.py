@@ -15,8 +15,11 @@ time-boxed child process:
   ``CompileOptions(cuda_graphs=False / True)`` (this file's ``--worker`` mode);
 * ``jax``: ``jax.jit`` with the same shardings (``benchmarks.anchors.jax_xla --bench dispatch``).
 
-A variant that fails is logged and shown as n/a. Output: a printed table,
-``dispatch_results.json`` in ``--out`` and, with ``--doc``, a row set in docs/benchmarks.md.
+A variant that fails is shown as n/a with its error in the notes; a child that fails or times
+out keeps its columns (n/a cells) and gets a note with its exit code or time-out and the last
+line of its output. On ``--device cpu`` the JAX child sees ``tp`` virtual host devices
+(``benchmarks.harness.jax_child_env``). Output: a printed table, ``dispatch_results.json`` in
+``--out`` and, with ``--doc``, a row set in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common, reporting
+from benchmarks import common, harness, reporting
 
 WORKLOAD_NAMES = ("add", "mlp", "block", "minilm")
 SOURCES = {"torch-eager": "torch eager (1 GPU)", "spmd-eager": "spmd eager", "spmd-graphs": "spmd graphs",
@@ -39,6 +42,8 @@ SOURCES = {"torch-eager": "torch eager (1 GPU)", "spmd-eager": "spmd eager", "sp
 #: on both sides (torch's default is full float32; JAX's default on these GPUs is TF32).
 PRECISIONS = {"highest": ("highest", "float32"), "high": ("high", "tensorfloat32")}
 SHARES = {"torch-eager": 0.25, "spmd": 0.6, "jax": 1.0}
+#: Table sources (columns) that each child measures; spmd-graphs-1gpu only when its records exist.
+CHILD_SOURCES = {"torch-eager": ("torch-eager",), "spmd": ("spmd-eager", "spmd-graphs"), "jax": ("jax",)}
 STARTUP_S = 20.0
 
 
@@ -181,35 +186,56 @@ def emit_kernels(source: str, workload: str, call: Callable[[], Any]) -> None:
     common.emit({"kind": "kernels", "source": source, "workload": workload, "devices": devices})
 
 
-def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[list[dict], list[dict]]:
-    """Run torch eager, spmd and JAX children in turn, each time-boxed; returns (records, status)."""
+def plan_children(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str], list[str]]]:
+    """Per child name: (command, extra env, env keys to drop), for :func:`common.child_env`.
+
+    Every child gets the same workloads, device, tp, timing options, precision and ``--seed``
+    (when given). The JAX child's environment comes from :func:`harness.jax_child_env` (``tp``
+    virtual host devices on CPU); the others run without the caller's ``XLA_FLAGS``.
+    """
     py = sys.executable
     base = ["--tp", str(args.tp), "--calls", str(args.calls), "--rounds", str(args.rounds),
             "--device", args.device, "--workloads", ",".join(args.workloads),
             "--matmul-precision", args.matmul_precision]
-    cmds = {
-        "torch-eager": [py, "-m", "benchmarks.anchors.torch_eager", *base],
-        "spmd": [py, "-m", "benchmarks.dispatch", "--worker", *base],
-        "jax": [py, "-m", "benchmarks.anchors.jax_xla", "--bench", "dispatch", "--label", "jax",
-                "--tp", str(args.tp), "--calls", str(args.calls), "--rounds", str(args.rounds),
-                "--matmul-precision", args.matmul_precision],
+    base += [] if args.seed is None else ["--seed", str(args.seed)]
+    jax_extra, jax_drop = harness.jax_child_env(args.device, args.tp)
+    return {
+        "torch-eager": ([py, "-m", "benchmarks.anchors.torch_eager", *base], {}, ["XLA_FLAGS"]),
+        "spmd": ([py, "-m", "benchmarks.dispatch", "--worker", *base], {}, ["XLA_FLAGS"]),
+        "jax": ([py, "-m", "benchmarks.anchors.jax_xla", "--bench", "dispatch", "--label", "jax", *base],
+                jax_extra, jax_drop),
     }
+
+
+def run_children(args: argparse.Namespace, deadline: common.Deadline) -> tuple[list[dict], list[dict]]:
+    """Run torch eager, spmd and JAX children in turn, each time-boxed; returns (records, status).
+
+    ``status`` holds one :func:`harness.child_status` dict per child not in ``--skip``, also for
+    those left unstarted after SIGTERM.
+    """
+    cmds = plan_children(args)
     records, status = [], []
     for name in [n for n in SHARES if n not in args.skip]:
         if common.terminated():
-            break
+            status.append(harness.child_status(harness.not_run(name, "SIGTERM received")))
+            continue
         box = max(0.0, (deadline.left() - args.reserve_s) * SHARES[name])
-        res = common.run_child(name, cmds[name], box, common.child_env(drop=["XLA_FLAGS"]))
+        cmd, extra, drop = cmds[name]
+        res = common.run_child(name, cmd, box, common.child_env(extra, drop))
         records += res.records
-        status.append({"name": name, "ok": res.ok, "returncode": res.returncode, "timed_out": res.timed_out,
-                       "elapsed_s": round(res.elapsed_s, 1), "tail": "" if res.ok else res.tail[-1500:]})
+        status.append(harness.child_status(res))
     return records, status
 
 
-def table(records: Sequence[dict], workloads: Sequence[str]) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: one row per workload, per source a cell ``enqueue / throughput / synced`` µs."""
+def table(records: Sequence[dict], workloads: Sequence[str], sources: Sequence[str] = ()
+          ) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows: one row per workload, per source a cell ``enqueue / throughput / synced`` µs.
+
+    Columns: the sources with a record, plus ``sources`` (those of children that ran, so that a
+    child that failed before its first record still shows as n/a cells), in :data:`SOURCES` order.
+    """
     idx = {(r.get("source"), r.get("workload")): r for r in records if r.get("kind") == "dispatch"}
-    sources = [s for s in SOURCES if any((s, w) in idx for w in workloads)]
+    sources = [s for s in SOURCES if s in sources or any((s, w) in idx for w in workloads)]
     headers = ["workload", *[f"{SOURCES[s]} enq / thru / sync µs" for s in sources]]
     rows = []
     for w in workloads:
@@ -224,19 +250,25 @@ def table(records: Sequence[dict], workloads: Sequence[str]) -> tuple[list[str],
 
 
 def report(records: list[dict], status: list[dict], args: argparse.Namespace, info: dict[str, Any]) -> None:
-    """Print the table and notes, write dispatch_results.json, append the docs row set."""
-    headers, rows = table(records, args.workloads)
+    """Print the table and notes, write dispatch_results.json, append the docs row set.
+
+    The notes (printed, under ``notes`` in the JSON, and in the row set) name every child that
+    did not finish ok, with its exit code or time-out and the last line of its output.
+    """
+    ran = [src for s in status for src in CHILD_SOURCES.get(s["name"], ())]
+    headers, rows = table(records, args.workloads, ran)
     title = f"dispatch, tp={args.tp}: µs per call, enqueue-only / throughput / synced"
     reporting.print_table(title, headers, rows)
     lines = [f"float32 GEMMs at matmul precision {args.matmul_precision!r} in every column "
              f"(torch {PRECISIONS[args.matmul_precision][0]!r}, JAX {PRECISIONS[args.matmul_precision][1]!r})"]
+    lines += harness.child_failure_notes(status)
     lines += [_note(r) for r in records if r.get("kind") == "dispatch"
               and (r.get("error") or r.get("rel_err") is not None or r.get("rel_err_vs_f32") is not None)]
     lines += [_kernel_note(r) for r in records if r.get("kind") == "kernels"]
     for line in lines:
         print("  " + line)
     reporting.write_json(Path(args.out) / "dispatch_results.json",
-                      {"info": info, "args": vars(args), "children": status, "records": records})
+                         {"info": info, "args": vars(args), "children": status, "notes": lines, "records": records})
     if args.doc:
         body = (f"### {title}\n\n{reporting.markdown_table(headers, rows)}\n\n"
                 + "\n".join(f"- {line}" for line in lines))
@@ -272,15 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     """Options of the parent and of the ``--worker`` child."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help="run the spmd measurements in this process")
-    ap.add_argument("--tp", type=int, default=None)
+    ap.add_argument("--tp", type=int, default=None, help="devices (default: all GPUs, or 2 on CPU)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=list(WORKLOAD_NAMES))
+    ap.add_argument("--workloads", type=harness.name_list(WORKLOAD_NAMES, allow_empty=False),
+                    default=list(WORKLOAD_NAMES), help=f"comma-separated subset of {', '.join(WORKLOAD_NAMES)}")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--reserve-s", type=float, default=10.0)
-    ap.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[])
+    ap.add_argument("--skip", type=harness.name_list(tuple(SHARES)), default=[],
+                    help=f"comma-separated children to skip, of: {', '.join(SHARES)}")
     ap.add_argument("--out", default="/tmp/spmd_bench_out")
     ap.add_argument("--doc", default=None)
     ap.add_argument("--matmul-precision", choices=tuple(PRECISIONS), default="highest",
@@ -290,17 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse and check options; ValueError on unknown workloads or children."""
-
-    args = build_parser().parse_args(argv)
+    """Parse and check options; unknown workloads or children, or ``--tp`` below 1, are usage
+    errors (SystemExit 2, message naming the flag)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.tp is None:
         args.tp = common.default_tp(args.device)
-    bad = [w for w in args.workloads if w not in WORKLOAD_NAMES]
-    if bad:
-        raise ValueError(f"--workloads: expected a subset of {WORKLOAD_NAMES}, got {bad}")
-    bad = [s for s in args.skip if s not in SHARES]
-    if bad:
-        raise ValueError(f"--skip: expected names from {list(SHARES)}, got {bad}")
+    if args.tp < 1:
+        ap.error(f"argument --tp: expected a positive number of devices, got {args.tp}")
     return args
 
 

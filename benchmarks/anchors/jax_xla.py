@@ -20,6 +20,11 @@ on these GPUs is TF32); each record carries its relative distance to the full-fl
 MiniLM (``benchmarks.anchors.jax_minilm``) runs on the torch workload's weights and tokens,
 placed by ``bert_plan``, and its record also carries ``rel_err_vs_torch``, the relative
 distance to the PyTorch model's float32 output on CPU.
+
+Devices: ``--device cuda`` takes JAX's GPUs, ``--device cpu`` its host devices (the parent sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=<tp>`` so there are ``tp`` of them; see
+``benchmarks.harness.jax_child_env``); without ``--device``, the GPUs if JAX has any, else the
+host devices.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import common
+from benchmarks import common, harness
 
 DISPATCH_WORKLOADS = ("add", "mlp", "block", "minilm")
 SPECS = {"ag": (("x", None), (None, "x"), (None, "x")), "rs": ((None, "x"), ("x", None), ("x", None))}
@@ -259,34 +264,56 @@ def dispatch(mesh: Any, seed: int, args: argparse.Namespace, label: str) -> None
         common.emit({"kind": "dispatch", "source": label, "workload": "minilm", **rec})
 
 
+def local_devices(device: str | None, tp: int | None) -> list[Any]:
+    """The first ``tp`` (default: all) JAX devices of ``device``: ``cuda`` -> GPUs, ``cpu`` -> host
+    devices, None -> GPUs if JAX has any, else its default devices.
+
+    ValueError when JAX has no device of that kind or fewer than ``tp`` of them (on CPU the
+    message names the ``XLA_FLAGS`` setting that provides more).
+    """
+    import jax
+
+    if device is None:
+        devs = [d for d in jax.devices() if d.platform == "gpu"] or jax.devices()
+    else:
+        platform = "gpu" if device == "cuda" else "cpu"
+        try:
+            devs = jax.devices(platform)
+        except RuntimeError as exc:
+            raise ValueError(f"--device {device}: JAX has no {platform} devices "
+                             f"(it sees {[str(d) for d in jax.devices()]}): {exc}") from exc
+    tp = tp or len(devs)
+    if tp > len(devs):
+        hint = (f" (XLA_FLAGS=--xla_force_host_platform_device_count={tp} gives {tp})"
+                if devs[0].platform == "cpu" else "")
+        raise ValueError(f"--tp: asked for {tp} devices, JAX sees {len(devs)}{hint}")
+    return list(devs[:tp])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; see the module docstring."""
     common.apply_required_env()
     from benchmarks.cm_local import build_parser
 
     ap = build_parser()
+    ap.set_defaults(device=None)
     ap.add_argument("--bench", choices=("cm", "dispatch"), default="cm")
     ap.add_argument("--label", default="xla")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
                     help="dispatch: float32 GEMM math, as benchmarks/dispatch.py --matmul-precision")
-    ap.add_argument("--workloads", type=lambda s: [x for x in s.split(",") if x], default=list(DISPATCH_WORKLOADS),
-                    help=f"dispatch: comma-separated subset of {','.join(DISPATCH_WORKLOADS)}")
+    ap.add_argument("--workloads", type=harness.name_list(DISPATCH_WORKLOADS, allow_empty=False),
+                    default=list(DISPATCH_WORKLOADS),
+                    help=f"dispatch: comma-separated subset of {', '.join(DISPATCH_WORKLOADS)}")
     args = ap.parse_args(argv)
-    bad = [w for w in args.workloads if w not in DISPATCH_WORKLOADS]
-    if bad:
-        raise ValueError(f"--workloads: expected a subset of {DISPATCH_WORKLOADS}, got {bad}")
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
-    gpus = [d for d in jax.devices() if d.platform == "gpu"] or jax.devices()
-    tp = args.tp or len(gpus)
-    if tp > len(gpus):
-        raise ValueError(f"--tp: asked for {tp} devices, JAX sees {len(gpus)}")
-    mesh = Mesh(np.array(gpus[:tp]), ("x",))
+    devices = local_devices(args.device, args.tp)
+    mesh = Mesh(np.array(devices), ("x",))
     seed = args.seed if args.seed is not None else common.fresh_seed()
-    common.emit({"kind": "meta", "source": args.label, "jax": jax.__version__, "devices": [str(d) for d in gpus[:tp]]})
+    common.emit({"kind": "meta", "source": args.label, "jax": jax.__version__, "devices": [str(d) for d in devices]})
     if args.bench == "dispatch":
         dispatch(mesh, seed, args, args.label)
         return 0

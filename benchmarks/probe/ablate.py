@@ -20,7 +20,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from benchmarks import common
+from benchmarks import common, harness
+from benchmarks.dispatch import WORKLOAD_NAMES
 
 #: variant name -> CompileOptions fields changed from the defaults (CUDA graphs on in all).
 VARIANTS: dict[str, dict[str, object]] = {
@@ -34,35 +35,27 @@ VARIANTS: dict[str, dict[str, object]] = {
 def main(argv: list[str] | None = None) -> int:
     """Entry point; see the module docstring."""
     common.apply_required_env()
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--workloads", default="minilm,block")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", type=harness.name_list(WORKLOAD_NAMES, allow_empty=False),
+                    default=["minilm", "block"], help=f"comma-separated subset of {', '.join(WORKLOAD_NAMES)}")
+    ap.add_argument("--variants", type=harness.name_list(tuple(VARIANTS), allow_empty=False), default=list(VARIANTS),
+                    help=f"comma-separated subset of {', '.join(VARIANTS)}")
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tp", type=int, default=0, help="GPUs to use (default: all)")
     ap.add_argument("--matmul-precision", choices=("highest", "high"), default="highest",
                     help="torch.set_float32_matmul_precision for every variant (high = TF32)")
     args = ap.parse_args(argv)
-    names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad:
-        raise ValueError(f"--variants: expected names from {tuple(VARIANTS)}, got {bad}")
+    names = args.variants
     common.require_cuda("benchmarks.probe.ablate")
     import torch
 
     import spmd
-    from benchmarks.cm_local import make_mesh, resolve_devices
-    from benchmarks.dispatch import _place, spmd_cases
     from benchmarks.gpu_kernels import kernel_summary
-    from benchmarks.probe.block_profile import gpu_us_per_call
+    from benchmarks.probe.block_profile import gpu_us_per_call, placed_cases
 
     torch.set_float32_matmul_precision(args.matmul_precision)
-    devices = resolve_devices("cuda", args.tp or torch.cuda.device_count())
-    mesh = make_mesh(spmd, devices)
-    cases = spmd_cases(spmd, mesh, devices[0], common.fresh_seed())
-    for wl in args.workloads.split(","):
-        fn, xs, in_sh, out_sh, ref = cases[wl]()
-        placed = [_place(spmd, mesh, x, s) for x, s in zip(xs, in_sh, strict=True)]
+    for wl, (fn, in_sh, out_sh, ref, placed), mesh, devices in placed_cases(args.tp, args.workloads):
         calls = {}
         for name in names:
             f = spmd.jit(fn, mesh=mesh, in_shardings=in_sh, out_shardings=out_sh,

@@ -82,6 +82,27 @@ def kernel_table(fn, calls: int = 20) -> dict[int, list[tuple[str, int, float]]]
             for dev, names in sorted(acc.items())}
 
 
+def placed_cases(tp: int, workloads):
+    """Yield, per workload name, ((fn, in_shardings, out_shardings, reference, placed inputs), mesh,
+    devices) on ``tp`` local GPUs (0 = all), with fresh random inputs placed by their shardings
+    (``benchmarks.dispatch.spmd_cases``); the inputs are freed after each workload."""
+    import torch
+
+    import spmd
+    from benchmarks.cm_local import make_mesh, resolve_devices
+    from benchmarks.dispatch import _place, spmd_cases
+
+    devices = resolve_devices("cuda", tp or torch.cuda.device_count())
+    mesh = make_mesh(spmd, devices)
+    cases = spmd_cases(spmd, mesh, devices[0], common.fresh_seed())
+    for wl in workloads:
+        fn, xs, in_sh, out_sh, ref = cases[wl]()
+        placed = [_place(spmd, mesh, x, s) for x, s in zip(xs, in_sh, strict=True)]
+        yield wl, (fn, in_sh, out_sh, ref, placed), mesh, devices
+        del placed
+        torch.cuda.empty_cache()
+
+
 def host_profile(fn, calls: int, top: int = 25) -> None:
     """Print the ``top`` functions by own time of ``calls`` calls of ``fn`` (cProfile)."""
     import cProfile
@@ -101,7 +122,7 @@ def host_profile(fn, calls: int, top: int = 25) -> None:
 def main(argv=None) -> int:
     """Entry point; see the module docstring."""
     common.apply_required_env()
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="block")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--tp", type=int, default=0, help="GPUs to use (default: all)")
@@ -109,18 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-profile", type=int, default=0, help="cProfile this many calls; print the top rows")
     args = ap.parse_args(argv)
     common.require_cuda("benchmarks.probe.block_profile")
-    import torch
-
     import spmd
-    from benchmarks.cm_local import make_mesh, resolve_devices
-    from benchmarks.dispatch import _place, spmd_cases
 
-    devices = resolve_devices("cuda", args.tp or torch.cuda.device_count())
-    mesh = make_mesh(spmd, devices)
-    cases = spmd_cases(spmd, mesh, devices[0], common.fresh_seed())
-    for wl in args.workloads.split(","):
-        fn, xs, in_sh, out_sh, ref = cases[wl]()
-        placed = [_place(spmd, mesh, x, s) for x, s in zip(xs, in_sh, strict=True)]
+    for wl, (fn, in_sh, out_sh, ref, placed), mesh, devices in placed_cases(args.tp, args.workloads.split(",")):
         for graphs in (True,) if args.graphs_only else (False, True):
             f = spmd.jit(fn, mesh=mesh, in_shardings=in_sh, out_shardings=out_sh,
                          options=spmd.CompileOptions(cuda_graphs=graphs))
@@ -142,8 +154,6 @@ def main(argv=None) -> int:
                 print(f"   cuda:{dev}: {sum(c for _, c, _ in rows)} kernels/call, {total:.1f} µs summed")
                 for name, count, us in rows:
                     print(f"      {count:3d} x {us:7.2f} µs  {name}")
-        del placed
-        torch.cuda.empty_cache()
     return 0
 
 

@@ -20,7 +20,7 @@ Per variant it prints the summed kernel time per call (``torch.profiler``, proce
 JAX's kernels too), the host-loop time, the error, and the longest kernels; once, the optimized
 HLO of JAX's HIGHEST dot (its custom call's backend config shows which algorithm XLA picked).
 
-Usage: ``python3 -m benchmarks.probe.f32_gemm [--calls 200] [--rounds 5]``
+Usage: ``python3 -m benchmarks.probe.f32_gemm [--shapes "m,k,n;m,k,n"] [--calls 200] [--rounds 5]``
 """
 
 from __future__ import annotations
@@ -36,6 +36,22 @@ if __package__ in (None, ""):
 from benchmarks import common
 
 DEFAULT_SHAPES = "1024,384,1152;1024,384,384;1024,384,1536;1024,1536,384;1024,384,576;1024,768,384;256,1024,4096"
+
+
+def parse_gemm_shapes(text: str) -> list[tuple[int, int, int]]:
+    """argparse ``type`` of ``--shapes``: ``"m,k,n;m,k,n"`` -> ``[(m, k, n), ...]``.
+
+    Raises ``argparse.ArgumentTypeError`` (a usage error naming the flag, exit status 2) unless
+    every ``;``-separated entry is three positive decimal integers separated by commas.
+    """
+    shapes = []
+    for entry in text.split(";"):
+        dims = [d.strip() for d in entry.split(",")]
+        if len(dims) != 3 or not all(d.isascii() and d.isdigit() and int(d) > 0 for d in dims):
+            raise argparse.ArgumentTypeError(
+                f"expected 'm,k,n;m,k,n;...' with positive integers, got {text!r} (bad entry {entry!r})")
+        shapes.append((int(dims[0]), int(dims[1]), int(dims[2])))
+    return shapes
 
 
 def tf32_split(x):
@@ -140,8 +156,9 @@ def run_shape(shape: tuple[int, int, int], args: argparse.Namespace, jx, show_hl
 def main(argv: list[str] | None = None) -> int:
     """Entry point; see the module docstring."""
     common.apply_required_env()
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", type=parse_gemm_shapes, default=DEFAULT_SHAPES,
+                    help="GEMM shapes 'm,k,n;m,k,n;...' (positive integers)")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-jax", action="store_true")
@@ -159,10 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             jx = (jax, jnp)
         except Exception as exc:  # the torch variants still run
             print(f"JAX unavailable: {exc}")
-    first = True
-    for spec in args.shapes.split(";"):
-        run_shape(tuple(int(v) for v in spec.split(",")), args, jx, show_hlo=first)
-        first = False
+    for i, shape in enumerate(args.shapes):
+        run_shape(shape, args, jx, show_hlo=i == 0)
     return 0
 
 

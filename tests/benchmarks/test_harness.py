@@ -320,8 +320,15 @@ def test_plan_children_env_and_commands():
     assert set(kids) == set(cm.SHARES)
     assert "--no-spmd" in kids["local"][0] and "8,8,8" in kids["local"][0]
     assert "--nproc-per-node=2" in kids["torch"][0]
-    assert kids["xla"][2] == ["XLA_FLAGS"]
-    assert "windowed_einsum_mib=0" in kids["xla-windowed"][1]["XLA_FLAGS"]
+    # CPU: the XLA children see tp virtual host devices; the windowed one adds its flags
+    assert kids["xla"][1] == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    flags = kids["xla-windowed"][1]["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_force_host_platform_device_count=2" and "windowed_einsum_mib=0" in flags[1]
+    gpu = cm.finish_args(cm.build_parser().parse_args(["--device", "cuda", "--tp", "2", "--shapes", "8,8,8"]))
+    kids = cm.plan_children(gpu, [(8, 8, 8)])
+    assert kids["xla"][1:] == ({}, ["XLA_FLAGS"])  # the caller's XLA_FLAGS are dropped on GPU
+    assert kids["xla-windowed"][1:] == ({"XLA_FLAGS": cm.WINDOWED_XLA_FLAGS}, [])
+    assert kids["xla"][0][kids["xla"][0].index("--device") + 1] == "cuda"
 
 
 def test_collective_matmul_end_to_end_on_cpu(tmp_path):
@@ -373,11 +380,11 @@ def test_dispatch_measure_and_table(capsys):
     assert len(common.parse_records(capsys.readouterr().out)) == 2
 
 
-def test_dispatch_parse_args_checks():
-    with pytest.raises(ValueError, match="--workloads"):
-        dispatch.parse_args(["--device", "cpu", "--workloads", "nope"])
-    with pytest.raises(ValueError, match="--skip"):
-        dispatch.parse_args(["--device", "cpu", "--skip", "nope"])
+def test_dispatch_parse_args_checks(capsys):
+    for flag in ("--workloads", "--skip"):
+        with pytest.raises(SystemExit) as exc:
+            dispatch.parse_args(["--device", "cpu", flag, "nope"])
+        assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
 
 
 def test_torch_eager_anchor_on_cpu():
