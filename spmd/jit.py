@@ -67,7 +67,7 @@ def jit(
         its in-sharding on device instead of raising ``ValueError``.
     Raises:
       TypeError: ``mesh`` is not a Mesh, ``fn`` is not callable, ``donate_argnums`` is not
-        ints or ``options`` is not a ``CompileOptions``.
+        ints, ``options`` is not a ``CompileOptions`` or ``reshard_inputs`` is not a bool.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an spmd.Mesh, got {type(mesh).__name__}")
@@ -83,6 +83,9 @@ def jit(
         raise TypeError(f"donate_argnums must be non-negative ints, got {donate_argnums!r}")
     if options is not None and not isinstance(options, CompileOptions):
         raise TypeError(f"options must be an spmd.CompileOptions, got {type(options).__name__}")
+    if not isinstance(reshard_inputs, bool):
+        raise TypeError(f"reshard_inputs must be True or False, got {type(reshard_inputs).__name__} "
+                        f"{reshard_inputs!r}")
     return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs)
 
 

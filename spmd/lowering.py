@@ -56,6 +56,71 @@ def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
     return out
 
 
+_TENSORS = (torch.Tensor, ShardedArray)
+EXPECTED_TENSOR = "expected a torch.Tensor or spmd.ShardedArray (or a pytree of them)"
+
+
+def check_tensor_arguments(spec_tree: Any, args: tuple, fn_name: str) -> None:
+    """TypeError for a positional argument given its own sharding that is not a tensor (pytree).
+
+    ``spec_tree`` is ``in_shardings`` (already matched to ``args`` by ``leaf_specs``). Only
+    per-argument entries are checked: an argument whose entry (or a spec inside it) is not
+    None must have tensor / ``ShardedArray`` leaves there, and at least one leaf. With one spec
+    for every argument, or a None entry, non-tensor leaves stay static values.
+    Raises TypeError naming the argument position, e.g. ``argument 1: ... got list``.
+    """
+    if _is_spec_leaf(spec_tree) or not isinstance(spec_tree, (tuple, list)):
+        return
+    for i, (spec, value) in enumerate(zip(spec_tree, args)):
+        if spec is None:
+            continue
+        leaves = pytree.tree_flatten_with_path(value)[0]
+        specs = leaf_specs((spec,), (value,), "in_shardings")
+        bad = [(path, x) for (path, x), s in zip(leaves, specs) if s is not None and not isinstance(x, _TENSORS)]
+        if not leaves or bad:
+            raise TypeError(f"{fn_name}: argument {i}: {EXPECTED_TENSOR}, got {_describe_value(value, i, bad)}")
+
+
+def _describe_value(value: Any, i: int, bad: list) -> str:
+    """``list`` when no leaf (or every leaf) is wrong; else ``list with float at args[1][2]``."""
+    name = type(value).__name__
+    if not bad or not bad[0][0] or len(bad) == len(pytree.tree_leaves(value)):
+        return name
+    path, leaf = bad[0]
+    return f"{name} with {type(leaf).__name__} at args[{i}]{pytree.keystr(path)}"
+
+
+def _non_tensor_arguments(args: tuple) -> list[tuple[int, str]]:
+    """(position, type name) of each positional argument that is None or holds a non-tensor leaf."""
+    out = []
+    for i, value in enumerate(args):
+        leaves = pytree.tree_flatten_with_path(value)[0]
+        bad = [(path, x) for path, x in leaves if not isinstance(x, _TENSORS)]
+        if not leaves or bad:
+            out.append((i, _describe_value(value, i, bad)))
+    return out
+
+
+def _traced_call(jitted, args: tuple, call_args: list):
+    """``jitted.fn(*call_args)``; a TypeError it raises names the arguments that are not tensors.
+
+    Non-tensor arguments reach the function as they are (static values); when one meets a
+    tensor operation the TypeError would otherwise name only fake tensors.
+    """
+    try:
+        return jitted.fn(*call_args)
+    except TypeError as e:
+        suspects = _non_tensor_arguments(args)
+        msg = str(e).replace("FakeTensor", "Tensor")  # tracing runs on fake tensors
+        if suspects:
+            which = "; ".join(f"argument {i}: {EXPECTED_TENSOR}, got {what}" for i, what in suspects)
+            raise TypeError(f"{jitted.__name__}: {which} (non-tensor arguments are passed to the function as "
+                            f"static values; the function raised TypeError: {msg})") from e
+        if msg != str(e):
+            raise TypeError(f"{jitted.__name__}: the function raised TypeError while tracing: {msg}") from e
+        raise
+
+
 def _align(spec, value):
     """``spec`` with its dicts reordered to ``value``'s key order (dict order is not meaningful)."""
     if isinstance(spec, dict) and isinstance(value, dict) and set(spec) == set(value):
@@ -99,6 +164,7 @@ def lower_function(jitted, args: tuple):
     mesh = jitted.mesh
     leaves, arg_tree = pytree.tree_flatten(args)
     specs = leaf_specs(jitted.in_shardings, args, "in_shardings")
+    check_tensor_arguments(jitted.in_shardings, args, jitted.__name__)
     paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(args)[0]]
     tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, (torch.Tensor, ShardedArray))]
     in_leaves = [_resolve_leaf(leaves[i], specs[i], mesh, f"argument args{paths[i]}") for i in tensor_idx]
@@ -109,7 +175,7 @@ def lower_function(jitted, args: tuple):
         full = list(leaves)
         for i, t in zip(tensor_idx, tensors):
             full[i] = t
-        out = jitted.fn(*pytree.tree_unflatten(full, arg_tree))
+        out = _traced_call(jitted, args, list(pytree.tree_unflatten(full, arg_tree)))
         out_leaves, holder["out_tree"] = pytree.tree_flatten(out)
         bad = [type(x).__name__ for x in out_leaves if not isinstance(x, torch.Tensor)]
         if bad or not out_leaves:

@@ -43,8 +43,10 @@ class Mesh:
         ``"cuda"``; the virtual device number for ``"cpu"``).
 
     Equality and hash are by (shape, platform, device_ids), so a mesh can key
-    compile caches. Build meshes with ``Mesh.create``; the constructor checks
-    consistency and raises ValueError otherwise.
+    compile caches. Build meshes with ``Mesh.create``; the constructor takes the
+    fields themselves (a list of ids is kept as a tuple), checks them and raises
+    TypeError for a field of the wrong type (``shape`` not a ``MeshShape``, ids not
+    ints) and ValueError for inconsistent ones, both pointing to ``Mesh.create``.
     """
 
     shape: MeshShape
@@ -52,11 +54,13 @@ class Mesh:
     device_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if self.platform not in PLATFORMS:
             raise ValueError(f"platform: expected one of {PLATFORMS}, got {self.platform!r}")
         if len(self.device_ids) != self.shape.num_devices:
             raise ValueError(
-                f"mesh {self.shape} needs {self.shape.num_devices} devices, got {len(self.device_ids)} device ids"
+                f"mesh {self.shape} needs {self.shape.num_devices} devices, got {len(self.device_ids)} device ids; "
+                f"{_USE_CREATE}"
             )
         if len(set(self.device_ids)) != len(self.device_ids):
             raise ValueError(f"device_ids: expected distinct devices, got {self.device_ids}")
@@ -159,6 +163,25 @@ class Mesh:
 
 
 # ------------------------------------------------------------------ helpers
+
+_USE_CREATE = "build meshes with Mesh.create(axes, devices), e.g. Mesh.create(('tp',), 'cpu:2')"
+
+
+def _check_field_types(mesh: Mesh) -> None:
+    """TypeError for constructor fields of the wrong type; a sequence of ids becomes a tuple."""
+    if not isinstance(mesh.shape, MeshShape):
+        raise TypeError(f"Mesh: shape must be a spmd.ir.sharding.MeshShape, got {type(mesh.shape).__name__} "
+                        f"{mesh.shape!r}; {_USE_CREATE}")
+    if not isinstance(mesh.platform, str):
+        raise TypeError(f"Mesh: platform must be one of {PLATFORMS}, got {type(mesh.platform).__name__} "
+                        f"{mesh.platform!r}; {_USE_CREATE}")
+    ids = mesh.device_ids
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or any(
+            not isinstance(i, int) or isinstance(i, bool) for i in ids):
+        raise TypeError(f"Mesh: device_ids must be a tuple of int device ordinals, got {type(ids).__name__} "
+                        f"{ids!r}; {_USE_CREATE}")
+    if not isinstance(ids, tuple):
+        object.__setattr__(mesh, "device_ids", tuple(ids))
 
 
 def _fmt_ids(platform: str, ids: tuple[int, ...]) -> str:

@@ -184,3 +184,97 @@ def test_partial_out_shardings_are_refused_with_a_clear_error():
                  out_shardings=NamedSharding(mesh, P(), partial=("tp",)))
     with pytest.raises(ValueError, match=r"out_shardings\[0\].*partial"):
         f(torch.randn(4, 4), torch.randn(4, 4))
+
+
+# Matmuls with an empty M, N or K: (lhs shape, rhs shape, in_shardings, out_shardings).
+EMPTY_MATMULS = [
+    ((0, 8), (8, 8), (P("tp"), P(None, "tp")), P(None, "tp")),  # all-gather layout, M = 0
+    ((0, 8), (8, 8), (P(None, "tp"), P("tp")), P("tp")),        # reduce-scatter layout, M = 0
+    ((0, 8), (8, 8), (P("tp"), P()), P("tp")),                  # M sharded, nothing gathered
+    ((4, 4), (4, 0), (P("tp"), P(None, "tp")), P(None, "tp")),  # all-gather layout, N = 0
+    ((8, 8), (8, 0), (P(None, "tp"), P("tp")), P("tp")),        # reduce-scatter layout, N = 0
+    ((8, 0), (0, 8), (P("tp"), P(None, "tp")), P(None, "tp")),  # all-gather layout, K = 0
+    ((8, 0), (0, 8), (P(None, "tp"), P("tp")), P("tp")),        # reduce-scatter layout, K = 0
+]
+
+
+@pytest.mark.parametrize("options", [{"windowed_einsum": "auto"}, {"windowed_einsum": "on"},
+                                     {"windowed_einsum": "on", "bidirectional": True}, {"windowed_einsum": "off"}])
+@pytest.mark.parametrize("a, b, ins, out", EMPTY_MATMULS)
+def test_matmul_with_an_empty_dimension_matches_torch(a, b, ins, out, options):
+    x, w = torch.randn(*a), torch.randn(*b)
+    f = spmd.jit(lambda p, q: p @ q, mesh=MESH, in_shardings=ins, out_shardings=out,
+                 options=spmd.CompileOptions(**options))
+    got = f(x, w).to_torch()
+    assert got.shape == (a[0], b[1])
+    torch.testing.assert_close(got, x @ w)
+    assert "collective-permute" not in f.lower(x, w).as_text("windowed-einsum")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, 0.0])
+def test_reshard_inputs_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=rf"reshard_inputs must be True or False, got {type(value).__name__} "):
+        spmd.jit(_scale_add, mesh=MESH, reshard_inputs=value)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"bidirectional": "yes"}, "bidirectional must be True, False or None, got str 'yes'"),
+    ({"verify": 1}, "verify must be True, False or None, got int 1"),
+    ({"fuse_elementwise": None}, "fuse_elementwise must be True or False, got NoneType None"),
+    ({"cuda_graphs": "auto"}, "cuda_graphs must be True, False or None, got str 'auto'"),
+])
+def test_bool_options_name_the_option_and_the_value(kw, match):
+    with pytest.raises(TypeError, match=match):
+        spmd.CompileOptions(**kw)
+
+
+def test_dump_dir_must_not_be_a_file(tmp_path, monkeypatch):
+    afile = tmp_path / "passwd"
+    afile.write_text("x")
+    for bad in (str(afile), afile, str(afile / "below")):
+        with pytest.raises(ValueError, match=r"dump_dir: expected a directory path, got .*an existing file"):
+            spmd.CompileOptions(dump_dir=bad)
+    options = spmd.CompileOptions(dump_dir=str(tmp_path / "new" / "dir"))  # created when dumping
+    spmd.jit(_scale_add, mesh=MESH, options=options)(torch.randn(4, 2), torch.randn(4, 2))
+    assert any((tmp_path / "new" / "dir").iterdir())
+    monkeypatch.setenv("SPMD_DUMP", str(afile))
+    f = spmd.jit(lambda a: a * 5.0, mesh=MESH)
+    with pytest.raises(ValueError, match=r"SPMD_DUMP: expected a directory path, got .*an existing file"):
+        f(torch.randn(4, 3))
+
+
+def _matmul(a, b):
+    return a @ b
+
+
+@pytest.mark.parametrize("bad, what", [
+    ([1.0, 2.0], "list"), (None, "NoneType"), ("w", "str"),
+    ([torch.randn(8, 8), 2.0], r"list with float at args\[1\]\[1\]"),
+    ({"w": torch.randn(8, 8), "k": None}, r"dict with NoneType at args\[1\]\['k'\]"),
+])
+def test_a_non_tensor_argument_given_a_sharding_is_named(bad, what):
+    f = spmd.jit(_matmul, mesh=MESH, in_shardings=(P("tp"), P(None, "tp")), out_shardings=P(None, "tp"))
+    msg = rf"_matmul: argument 1: expected a torch.Tensor or spmd.ShardedArray \(or a pytree of them\), got {what}$"
+    with pytest.raises(TypeError, match=msg):
+        f(torch.randn(8, 8), bad)
+
+
+@pytest.mark.parametrize("bad, what", [([1.0, 2.0], "list"), (None, "NoneType")])
+def test_a_non_tensor_argument_that_fails_tracing_is_named(bad, what):
+    """Without a sharding of its own the argument is static; the function's TypeError then names it."""
+    for f in (spmd.jit(_matmul, mesh=MESH), spmd.jit(_matmul, mesh=MESH, in_shardings=P())):
+        with pytest.raises(TypeError, match=rf"_matmul: argument 1: expected a torch.Tensor .*, got {what} ") as e:
+            f(torch.randn(8, 8), bad)
+        assert "FakeTensor" not in str(e.value)
+
+
+def test_pytrees_of_tensors_and_static_leaves_keep_working():
+    x, w, b = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8)
+    f = spmd.jit(lambda a, ps: a @ ps[0] + ps[1], mesh=MESH, in_shardings=(P("tp"), [P(None, "tp"), P("tp")]))
+    torch.testing.assert_close(f(x, [w, b]).to_torch(), x @ w + b)
+    g = spmd.jit(lambda a, ps: a @ ps["w"] * ps["k"], mesh=MESH, in_shardings=(P("tp"), {"w": P(), "k": None}))
+    torch.testing.assert_close(g(x, {"w": w, "k": 3.0}).to_torch(), x @ w * 3.0)
+    h = spmd.jit(lambda a, k: a * k, mesh=MESH, in_shardings=P("tp"))  # one spec for all: 2.0 stays static
+    torch.testing.assert_close(h(x, 2.0).to_torch(), x * 2.0)
+    with pytest.raises(TypeError, match=r"the function raised TypeError while tracing: .*'Tensor' and 'list'"):
+        spmd.jit(_matmul, mesh=MESH)(x, [w])  # a list of tensors where the function wants one tensor

@@ -118,3 +118,21 @@ def test_cuda_mesh():
     assert mesh.platform == "cuda"
     assert mesh.devices[0] == torch.device("cuda", 0)
     assert Mesh.create("tp", devices=[0]).device_ids == (0,)
+
+
+def test_direct_constructor_checks_its_fields():
+    shape = MeshShape(("tp",), (2,))
+    with pytest.raises(TypeError, match=r"shape must be a .*MeshShape, got tuple \('tp',\); build meshes with "
+                                        r"Mesh\.create"):
+        Mesh(("tp",), "cpu", [0, 1])
+    with pytest.raises(TypeError, match=r"device_ids must be a tuple of int device ordinals, got str '01'"):
+        Mesh(shape, "cpu", "01")
+    with pytest.raises(TypeError, match=r"device_ids must be .* got tuple \(0, '1'\)"):
+        Mesh(shape, "cpu", (0, "1"))
+    with pytest.raises(TypeError, match=r"platform must be one of \('cpu', 'cuda'\), got NoneType"):
+        Mesh(shape, None, (0, 1))
+    with pytest.raises(ValueError, match=r"needs 2 devices, got 3 device ids; build meshes with Mesh\.create"):
+        Mesh(shape, "cpu", (0, 1, 2))
+    made = Mesh(shape, "cpu", [0, 1])  # the fields themselves: a list of ids is kept as a tuple
+    assert made == Mesh.create(("tp",), "cpu:2") and hash(made) == hash(Mesh.create(("tp",), "cpu:2"))
+    assert made.device_ids == (0, 1)

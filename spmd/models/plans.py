@@ -25,6 +25,8 @@ from torch import nn
 
 from spmd.sharding import PartitionSpec
 
+UNITS = ("features", "heads")  # what a style's split dim counts (ParallelStyle.unit)
+
 
 @dataclass(frozen=True)
 class ParallelStyle:
@@ -33,10 +35,14 @@ class ParallelStyle:
     ``unit`` names what the split dim counts: ``"heads"`` means the dim is
     ``heads x head_dim`` (``head_dim`` is read from the nearest enclosing module that has a
     ``head_dim`` attribute) and the head count must divide by the axis size; ``"features"``
-    means the dim itself must divide by it.
+    means the dim itself must divide by it. Raises ValueError for another ``unit``.
     """
 
     unit: str = "features"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.unit, str) or self.unit not in UNITS:
+            raise ValueError(f"{type(self).__name__}: unit must be one of {UNITS}, got {self.unit!r}")
 
     def spec(self, leaf: str, ndim: int, axis: str) -> PartitionSpec:
         """The spec of a parameter named ``leaf`` (``weight``/``bias``/...) with ``ndim`` dims."""

@@ -128,10 +128,16 @@ class Decision:
 
 
 def gemm_us(elems: float, flops: float, bytes_moved: float, dtype: str, profile: MachineProfile) -> float:
-    """Device time of GEMM work: ``flops`` at peak × efficiency(``elems`` output elements), roofline on HBM."""
+    """Device time of GEMM work: ``flops`` at peak × efficiency(``elems`` output elements), roofline on HBM.
+
+    Work with no output elements or no flops (an empty M, N or K) costs only its memory traffic.
+    """
     peak = _peak_tflops(dtype, profile) * 1e6  # flop / µs
+    memory = bytes_moved / (profile.hbm_gbps * 1e3)
+    if elems <= 0 or flops <= 0:
+        return memory
     eff = elems / (elems + profile.gemm_half_efficiency_elems)
-    return max(flops / (peak * eff), bytes_moved / (profile.hbm_gbps * 1e3))
+    return max(flops / (peak * eff), memory)
 
 
 def _peak_tflops(dtype: str, profile: MachineProfile) -> float:
@@ -206,7 +212,8 @@ def decide(
       or ``"reduce-scatter"`` (``[m/p, n]`` partial accumulators travel and are added).
     chunk_bytes: bytes one ring step moves per device, where they differ from the above.
     Returns a Decision whose ``predicted_us`` has ``serial``, ``uni`` and ``bi``;
-    decompose is True only if the best windowed variant beats serial by ``margin``.
+    decompose is True only if the best windowed variant beats serial by ``margin`` and
+    every GEMM has work (a GEMM with an empty m, k or n has nothing to overlap).
     Raises ValueError for p < 2, an unknown collective or a dtype the profile lacks.
     """
     gemms = [gemms] if isinstance(gemms, GemmShape) else list(gemms)
@@ -232,7 +239,7 @@ def decide(
         add_bytes = 0.0 if collective == "all-gather" else 3.0 * chunk_bytes
         best[name] = (_windowed_us(gemms, p, dtype, profile, chunk_bytes, add_bytes, bi, 1), 1)
     pick = "uni" if best["uni"][0] <= best["bi"][0] else "bi"
-    decompose = best[pick][0] < serial * (1.0 - margin)
+    decompose = best[pick][0] < serial * (1.0 - margin) and all(g.flops > 0 for g in gemms)
     predicted = {"serial": serial, "uni": best["uni"][0], "bi": best["bi"][0]}
     return Decision(decompose, pick == "bi", best[pick][1] if decompose else 1, predicted)
 

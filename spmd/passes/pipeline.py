@@ -55,8 +55,8 @@ class CompileOptions:
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
-      ValueError: for an unknown ``windowed_einsum`` mode or a
-        ``num_compute_streams`` < 1.
+      ValueError: for an unknown ``windowed_einsum`` mode, a ``num_compute_streams`` < 1,
+        or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
         ``fuse_attention`` or ``fuse_elementwise`` not a bool (or None where allowed); ``num_compute_streams`` not an
         int; ``dump_dir`` not a path.
@@ -76,11 +76,13 @@ class CompileOptions:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
         for name in ("bidirectional", "cuda_graphs", "verify"):
-            if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
-                raise TypeError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, bool)):
+                raise TypeError(f"{name} must be True, False or None, got {type(value).__name__} {value!r}")
         for name in ("merge_dots", "fuse_attention", "fuse_elementwise"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
         n = self.num_compute_streams
         if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
             raise TypeError(f"num_compute_streams must be an int >= 1 or None, got {n!r}")
@@ -88,6 +90,8 @@ class CompileOptions:
             raise ValueError(f"num_compute_streams must be >= 1, got {n}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"dump_dir must be a path (str or os.PathLike) or None, got {self.dump_dir!r}")
+        if self.dump_dir is not None:
+            check_dump_dir(Path(self.dump_dir), "dump_dir")
 
     @property
     def verify_enabled(self) -> bool:
@@ -95,8 +99,26 @@ class CompileOptions:
 
     @property
     def dump_path(self) -> Path | None:
-        d = self.dump_dir or os.environ.get("SPMD_DUMP")
-        return Path(d) if d else None
+        """The dump directory (``dump_dir``, else ``SPMD_DUMP``), or None. Raises ValueError as ``check_dump_dir``."""
+        if self.dump_dir:
+            return check_dump_dir(Path(self.dump_dir), "dump_dir")
+        d = os.environ.get("SPMD_DUMP")
+        return check_dump_dir(Path(d), "SPMD_DUMP") if d else None
+
+
+def check_dump_dir(path: Path, what: str) -> Path:
+    """``path`` if it is (or can be created as) a directory; returns it.
+
+    Raises ValueError naming ``what`` when ``path`` or one of its parents is an existing
+    non-directory (a file): the stage dumps could not be written there.
+    """
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "" if p == path else f" (its parent {str(p)!r} is a file)"
+                raise ValueError(f"{what}: expected a directory path, got {str(path)!r}, an existing file{where}")
+            break
+    return path
 
 
 @dataclass

@@ -38,9 +38,10 @@ into one buffer by dynamic-update-slices instead of a concatenate.
 One all-gather feeding several dots (Q, K, V projections) shares one ring. Any group
 size P >= 2, any chunk size (bidirectional needs chunks of >= 2 rows), 2-d meshes
 (replica groups such as {{0,2},{1,3}}: a constant table maps partition-id to ``r``).
-Partial dots carry ``backend_config={"windowed_einsum": step}`` (plus
-``"compute_streams": n`` where the cost model chose the site); assign-streams puts
-them on compute streams.
+A site whose dot, collective or any operand has no elements (an empty M, N or K) is
+left alone: there is nothing to overlap. Partial dots carry
+``backend_config={"windowed_einsum": step}`` (plus ``"compute_streams": n`` where the
+cost model chose the site); assign-streams puts them on compute streams.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def _groups(inst: Instruction, n: int) -> tuple[tuple[int, ...], ...] | None:
     return groups if len(sizes) == 1 and min(sizes) >= 2 else None
 
 
+def _empty(inst: Instruction) -> bool:
+    """True if ``inst``'s result or any operand has no elements: nothing to overlap, never windowed."""
+    return inst.shape.numel == 0 or any(o.shape.numel == 0 for o in inst.operands)
+
+
 def _contract_numel(dot: Instruction) -> int:
     k = 1
     for d in dot.attrs.get("lhs_contracting_dims", ()):
@@ -216,7 +222,7 @@ class _AgSite:
         out = []
         for u in self.uses:
             m, k = self.p * self.chunk, _contract_numel(u.dot)
-            out.append(GemmShape(m, k, max(u.dot.shape.numel // m, 1)))
+            out.append(GemmShape(m, k, u.dot.shape.numel // m if m else 0))
         return out
 
     def rewrite(self, em: _Emitter, comp: Computation, bidir: bool) -> None:
@@ -260,6 +266,8 @@ def _match_ag(ag: Instruction, users, comp: Computation, n: int) -> _AgSite | No
     for dot in dict.fromkeys(users[ag]):
         if dot.opcode != "dot" or dot.operands.count(ag) != 1 or MARK in dot.attrs.get("backend_config", {}):
             return None
+        if _empty(dot):
+            return None  # an empty gathered chunk, operand or result: nothing to overlap
         side = dot.operands.index(ag)
         found = [(o, pair) for o, pair in enumerate(_dot_layout(dot)) if pair[side] == dim]
         if not found:
@@ -300,7 +308,7 @@ class _RsSite:
 
     def gemms(self) -> list[GemmShape]:
         m = self.p * self.chunk
-        return [GemmShape(m, _contract_numel(self.dot), max(self.dot.shape.numel // m, 1))]
+        return [GemmShape(m, _contract_numel(self.dot), self.dot.shape.numel // m if m else 0)]
 
     def rewrite(self, em: _Emitter, comp: Computation, bidir: bool) -> None:
         p, c, dot = self.p, self.chunk, self.dot
@@ -338,6 +346,8 @@ def _match_rs(rs: Instruction, users, comp: Computation, n: int) -> _RsSite | No
         return None
     if reducer is not None and reducer.root.opcode != "add":
         return None
+    if _empty(dot) or rs.shape.numel == 0:
+        return None  # nothing to overlap
     if MARK in dot.attrs.get("backend_config", {}) or dot.shape.dims[dims[0]] != len(groups[0]) * rs.shape.dims[
             dims[0]]:
         return None

@@ -111,3 +111,12 @@ def test_activation_layouts_only_with_sequence_parallel():
     assert layouts["layers.0.attn.out_proj"] == (None, 1)
     assert layouts["layers.0.mlp.fc_out"] == (None, 1)
     assert "layers.0.attn" not in layouts
+
+
+@pytest.mark.parametrize("style", [plans.ColwiseParallel, plans.RowwiseParallel, plans.SequenceParallel,
+                                   plans.Replicate])
+@pytest.mark.parametrize("unit", ["bogus", "Heads", "", None])
+def test_unknown_unit_is_refused(style, unit):
+    with pytest.raises(ValueError, match=rf"{style.__name__}: unit must be one of \('features', 'heads'\), got"):
+        style(unit=unit)
+    assert style(unit="heads").unit == "heads" and style().unit == "features"

@@ -55,6 +55,19 @@ def test_bidirectional_pays_off_on_a_ring_with_full_duplex_links():
     assert decide(GemmShape(8192, 8192, 8192), 4, "bf16", H200_NVLINK).bidirectional is False
 
 
+@pytest.mark.parametrize("coll", ["all-gather", "reduce-scatter"])
+@pytest.mark.parametrize("empty", [GemmShape(0, 8, 8), GemmShape(8, 0, 8), GemmShape(8, 8, 0), GemmShape(0, 0, 0)])
+def test_empty_gemms_are_never_decomposed(empty, coll):
+    """A GEMM with an empty m, k or n has nothing to overlap, alone or sharing a ring with a big one."""
+    d = decide(empty, 4, "bf16", H200_NVLINK, collective=coll, margin=0.0)
+    assert not d.decompose and d.num_compute_streams == 1
+    assert all(v >= 0 and v != float("inf") for v in d.predicted_us.values())
+    big = GemmShape(8192, 12288, 24576)
+    assert decide(big, 2, "bf16", H200_NVLINK, collective=coll).decompose
+    assert not decide([big, empty], 2, "bf16", H200_NVLINK, collective=coll).decompose
+    assert cm.gemm_us(0, 0.0, 64.0, "bf16", H200_NVLINK) == pytest.approx(64.0 / (H200_NVLINK.hbm_gbps * 1e3))
+
+
 def test_errors():
     with pytest.raises(ValueError, match="p must be"):
         decide(GemmShape(8, 8, 8), 1, "bf16", H200_NVLINK)

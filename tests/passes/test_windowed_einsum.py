@@ -230,6 +230,24 @@ def test_auto_follows_the_cost_model():
     assert not any(i.opcode == "reduce-scatter" for i in big_rs.entry.instructions)
 
 
+# Sites whose dot has no elements in M (chunk c = 0), N (n = 0) or the contraction (k = 0).
+EMPTY_SITES = [("ag", "lhs", 0, 6, 5), ("ag", "lhs", 2, 6, 0), ("ag", "lhs", 2, 0, 5), ("ag", "rhs", 0, 6, 5),
+               ("ag", "batch", 0, 6, 5), ("ag", "qkv", 0, 6, 5), ("ag", "qkv", 2, 0, 5),
+               ("rs", "lhs", 0, 6, 5), ("rs", "rhs", 2, 6, 0), ("rs", "lhs", 2, 0, 5), ("rs", "batch", 0, 6, 5)]
+
+
+@pytest.mark.parametrize("bidirectional", [None, False, True])
+@pytest.mark.parametrize("mode", ["auto", "on"])
+@pytest.mark.parametrize("side, kind, c, k, n", EMPTY_SITES)
+def test_a_dot_with_no_elements_is_never_windowed(side, kind, c, k, n, mode, bidirectional):
+    """Nothing to overlap: an empty gathered chunk, result or operand leaves the site as it is."""
+    text = (ag_module if side == "ag" else rs_module)(kind, 4, c, k=k, n=n)
+    mod = parse_module(text)
+    WindowedEinsum(mode=mode, bidirectional=bidirectional).run(mod)
+    verify_module(mod)
+    assert print_module(mod) == text
+
+
 # --------------------------------------------------------------------------- golden text
 class GoldenTest(TestCase):
     def _run(self, text: str, bidirectional: bool) -> str:
