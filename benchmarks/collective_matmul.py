@@ -281,6 +281,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help=f"comma-separated children to skip, of: {', '.join(SHARES)}")
     ap.add_argument("--reserve-s", type=float, default=15.0, help="seconds kept for the report")
     args = ap.parse_args(argv)
+    if args.dtype != "bfloat16":  # the anchors (NCCL, PyTorch fused, XLA) all run bf16
+        ap.error(f"argument --dtype: collective_matmul compares every source in bfloat16, got {args.dtype!r}")
     try:
         return finish_args(args)
     except ValueError as exc:

@@ -308,11 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--workloads", type=harness.name_list(WORKLOAD_NAMES, allow_empty=False),
                     default=list(WORKLOAD_NAMES), help=f"comma-separated subset of {', '.join(WORKLOAD_NAMES)}")
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=harness.positive_int, default=200)
+    ap.add_argument("--rounds", type=harness.positive_int, default=5)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--budget-s", type=float, default=150.0)
-    ap.add_argument("--reserve-s", type=float, default=10.0)
+    ap.add_argument("--budget-s", type=harness.non_negative_float, default=150.0)
+    ap.add_argument("--reserve-s", type=harness.non_negative_float, default=10.0)
     ap.add_argument("--skip", type=harness.name_list(tuple(SHARES)), default=[],
                     help=f"comma-separated children to skip, of: {', '.join(SHARES)}")
     ap.add_argument("--out", default="/tmp/spmd_bench_out")

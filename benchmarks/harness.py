@@ -81,3 +81,25 @@ def child_failure_notes(status: Sequence[Mapping[str, Any]]) -> list[str]:
         err = s.get("error") or common.last_line(s.get("tail") or "") or "no output"
         lines.append(f"child {s.get('name')} failed ({how}): {err}")
     return lines
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (``--calls``, ``--rounds``); otherwise a usage error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a float >= 0 (seconds); otherwise a usage error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value

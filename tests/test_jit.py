@@ -211,6 +211,31 @@ def test_matmul_with_an_empty_dimension_matches_torch(a, b, ins, out, options):
     assert "collective-permute" not in f.lower(x, w).as_text("windowed-einsum")
 
 
+# Linear layers (bias add fused with the matmul) with an empty M, K or N, and an einsum over an
+# empty batch dim: (x shape, weight [N, K] shape, in_shardings).
+EMPTY_LINEARS = [
+    ((0, 8), (4, 8), P()),           # M = 0
+    ((8, 0), (4, 0), P()),           # K = 0: the result is the bias broadcast
+    ((8, 8), (0, 8), P()),           # N = 0
+    ((2, 0, 8), (4, 8), P()),        # 3-d x with an empty sequence dim
+    ((0, 8), (8, 8), (P(), P("tp"), P("tp"))),  # column-parallel, M = 0
+]
+
+
+@pytest.mark.parametrize("xs, ws, ins", EMPTY_LINEARS)
+def test_linear_with_an_empty_dimension_matches_torch(xs, ws, ins):
+    x, w, b = torch.randn(*xs), torch.randn(*ws), torch.randn(ws[0])
+    f = spmd.jit(torch.nn.functional.linear, mesh=MESH, in_shardings=ins, out_shardings=P())
+    torch.testing.assert_close(f(x, w, b).to_torch(), torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("ins", [P(), (P("tp"), P())])
+def test_einsum_over_an_empty_batch_dim(ins):
+    x, w = torch.randn(0, 4, 8), torch.randn(8, 4)
+    f = spmd.jit(lambda p, q: torch.einsum("bmk,kn->bmn", p, q), mesh=MESH, in_shardings=ins, out_shardings=P())
+    assert f(x, w).to_torch().shape == (0, 4, 4)
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None, 0.0])
 def test_reshard_inputs_must_be_a_bool(value):
     with pytest.raises(TypeError, match=rf"reshard_inputs must be True or False, got {type(value).__name__} "):

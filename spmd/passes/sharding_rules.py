@@ -17,6 +17,8 @@ an axis is used at most once. Dot contracting dims sharded alike give a ``partia
 
 from __future__ import annotations
 
+import math
+
 from spmd.ir.custom_calls import CUSTOM_CALLS
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Instruction
 from spmd.ir.sharding import MeshShape, TensorSharding
@@ -130,9 +132,13 @@ def _transpose(inst, current, out, mesh) -> Plan:
 def reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
     """Minimal groups of consecutive src and dst dims with equal element counts.
 
-    Size-1 dims at a group boundary form groups of their own. Raises ValueError when the
-    element counts differ.
+    Size-1 dims at a group boundary form groups of their own. With no elements (a size-0 dim
+    on both sides) all dims form one group. Raises ValueError when the element counts differ.
     """
+    if 0 in src or 0 in dst:
+        if math.prod(src) != math.prod(dst):
+            raise ValueError(f"reshape {src} -> {dst}: element counts differ")
+        return [(list(range(len(src))), list(range(len(dst))))]
     groups, i, j = [], 0, 0
     while i < len(src) or j < len(dst):
         if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):

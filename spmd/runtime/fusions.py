@@ -324,7 +324,8 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
 
     Unbatched, an ``a`` of rank > 2 is flattened to 2-d (and ``c`` / ``out`` with it); a ``c``
     that is a row broadcast (stride 0 over rows) goes in as the 1-d bias, which cuBLASLt adds
-    in the GEMM epilogue.
+    in the GEMM epilogue. With an empty M, K or N it computes ``c + a @ b`` unfused (addmm
+    rejects some empty shapes).
     """
     mm = torch.baddbmm if batched else torch.addmm
 
@@ -332,6 +333,9 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
         c, a, b = ops
         if rhs_transposed:
             b = b.transpose(-1, -2)
+        if a.numel() == 0 or b.numel() == 0:  # an empty M, K or N: c + (an empty or all-zero product)
+            r = c + torch.matmul(a, b)
+            return r if out is None else out.copy_(r)
         if batched:
             return mm(c, a, b) if out is None else mm(c, a, b, out=out)
         dims = (*a.shape[:-1], b.shape[-1])

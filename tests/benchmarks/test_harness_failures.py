@@ -216,6 +216,20 @@ def test_collective_matmul_bad_flags_are_usage_errors(capsys):
     assert "--spmd-variants" in _usage_error(capsys, cm.parse_args, ["--device", "cpu", "--spmd-variants", "x"])
 
 
+@pytest.mark.parametrize(("flag", "value", "expected"), [("--calls", "0", "an integer >= 1"),
+                                                        ("--rounds", "-1", "an integer >= 1"),
+                                                        ("--budget-s", "-5", "a number of seconds >= 0"),
+                                                        ("--reserve-s", "x", "a number of seconds >= 0")])
+def test_dispatch_counts_and_budgets_are_checked(capsys, flag, value, expected):
+    err = _usage_error(capsys, dispatch.parse_args, ["--device", "cpu", flag, value])
+    assert f"argument {flag}: expected {expected}, got {value!r}" in err
+
+
+def test_collective_matmul_rejects_a_dtype_its_anchors_do_not_run(capsys):
+    err = _usage_error(capsys, cm.parse_args, ["--device", "cpu", "--dtype", "int8"])
+    assert "argument --dtype" in err and "bfloat16" in err and "'int8'" in err
+
+
 def test_anchor_and_probe_bad_flags_are_usage_errors(capsys):
     err = _usage_error(capsys, jax_xla.main, ["--bench", "dispatch", "--workloads", "bogus"])
     assert "argument --workloads" in err and "add, mlp, block, minilm" in err
