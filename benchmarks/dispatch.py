@@ -336,7 +336,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parent (default) or spmd worker (``--worker``)."""
+    """Entry point: parent (default) or spmd worker (``--worker``). The parent exits 1 when no
+    variant was measured (every child failed or was skipped), else 0."""
     common.apply_required_env()
     args = parse_args(argv)
     if args.worker:
@@ -348,7 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"dispatch: tp={args.tp} workloads={args.workloads} budget={args.budget_s}s", flush=True)
     records, status = run_children(args, deadline)
     report(records, status, args, info)
-    return 0
+    measured = any(r.get("kind") == "dispatch" and r.get("error") is None for r in records)
+    if not measured:
+        print("dispatch: no variant was measured (see the notes above)", file=sys.stderr)
+    return 0 if measured else 1
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from spmd import metrics
 from spmd.array import ShardedArray
 from spmd.compiled import Compiled, compile_module
 from spmd.mesh import Mesh
-from spmd.passes.pipeline import CompileOptions
+from spmd.passes.pipeline import CompileOptions, type_name
 from spmd.sharding import NamedSharding, PartitionSpec
 
 _GLOBAL_CACHE: dict[tuple, Compiled] = {}
@@ -84,7 +84,7 @@ def jit(
     if options is not None and not isinstance(options, CompileOptions):
         raise TypeError(f"options must be an spmd.CompileOptions, got {type(options).__name__}")
     if not isinstance(reshard_inputs, bool):
-        raise TypeError(f"reshard_inputs must be True or False, got {type(reshard_inputs).__name__} "
+        raise TypeError(f"reshard_inputs must be True or False, got {type_name(reshard_inputs)} "
                         f"{reshard_inputs!r}")
     return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs)
 

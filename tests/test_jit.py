@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -266,6 +268,20 @@ def test_dump_dir_must_not_be_a_file(tmp_path, monkeypatch):
     f = spmd.jit(lambda a: a * 5.0, mesh=MESH)
     with pytest.raises(ValueError, match=r"SPMD_DUMP: expected a directory path, got .*an existing file"):
         f(torch.randn(4, 3))
+
+
+def test_an_unwritable_dump_dir_is_a_value_error():
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux /proc, where no user can create a directory")
+    f = spmd.jit(_scale_add, mesh=MESH, options=spmd.CompileOptions(dump_dir="/proc/spmd-no-such-dir/d"))
+    with pytest.raises(ValueError, match=r"dump_dir / SPMD_DUMP: cannot write the stage dumps"):
+        f(torch.randn(4, 2), torch.randn(4, 2))
+
+
+def test_bool_options_accept_no_numpy_bools():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"merge_dots must be True or False, got numpy\.bool"):
+        spmd.CompileOptions(merge_dots=np.True_)
 
 
 def _matmul(a, b):

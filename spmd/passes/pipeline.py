@@ -78,11 +78,11 @@ class CompileOptions:
         for name in ("bidirectional", "cuda_graphs", "verify"):
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
-                raise TypeError(f"{name} must be True, False or None, got {type(value).__name__} {value!r}")
+                raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
         for name in ("merge_dots", "fuse_attention", "fuse_elementwise"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+                raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")
         n = self.num_compute_streams
         if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
             raise TypeError(f"num_compute_streams must be an int >= 1 or None, got {n!r}")
@@ -104,6 +104,12 @@ class CompileOptions:
             return check_dump_dir(Path(self.dump_dir), "dump_dir")
         d = os.environ.get("SPMD_DUMP")
         return check_dump_dir(Path(d), "SPMD_DUMP") if d else None
+
+
+def type_name(value: object) -> str:
+    """``value``'s type for error messages: ``str`` for builtins, else qualified (``numpy.bool``)."""
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def check_dump_dir(path: Path, what: str) -> Path:
@@ -198,5 +204,9 @@ def _record(result: PipelineResult, stage: str, module: Module, dump: Path | Non
     text = print_module(module)
     result.stage_text[stage] = text
     if dump is not None:
-        dump.mkdir(parents=True, exist_ok=True)
-        (dump / f"{module.name}.{index:02d}.{stage}.txt").write_text(text)
+        try:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"{module.name}.{index:02d}.{stage}.txt").write_text(text)
+        except OSError as e:
+            raise ValueError(f"dump_dir / SPMD_DUMP: cannot write the stage dumps to {str(dump)!r}: "
+                             f"{e.strerror or e}") from e

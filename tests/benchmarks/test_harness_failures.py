@@ -151,6 +151,21 @@ def test_dispatch_reports_failed_children(tmp_path, monkeypatch, capsys):
     assert "| add | 1.0 / 1.5 / 2.0 | n/a | n/a | n/a |" in doc
 
 
+def test_dispatch_exits_1_when_nothing_was_measured(tmp_path, monkeypatch, capsys):
+    crash = "ValueError: no devices\n"
+    failed = lambda name, cmd, box, env: common.ChildResult(name, [], 1, False, 1.0, crash, crash.strip())  # noqa: E731
+    monkeypatch.setattr(common, "run_child", failed)
+    monkeypatch.setattr(dispatch.reporting, "hardware_info", lambda: {})
+    argv = ["--device", "cpu", "--tp", "2", "--workloads", "add", "--out", str(tmp_path)]
+    assert dispatch.main(argv) == 1
+    assert "no variant was measured" in capsys.readouterr().err
+    ok = {"kind": "dispatch", "source": "jax", "workload": "add", "enqueue_us": 1.0, "throughput_us": 1.0,
+          "synced_us": 1.0, "error": None}
+    monkeypatch.setattr(common, "run_child", lambda name, cmd, box, env: common.ChildResult(name, [ok], 0, False,
+                                                                                             1.0, ""))
+    assert dispatch.main(argv) == 0
+
+
 def test_dispatch_children_after_sigterm_are_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "terminated", lambda: True)
     monkeypatch.setattr(common, "run_child", lambda *a, **k: pytest.fail("no child may start after SIGTERM"))
