@@ -236,7 +236,8 @@ class Compiled:
                              f"{arg.sharding.mesh} (move it with spmd.device_put(array.to_torch(), sharding))")
         if not self._reshard_inputs:
             raise ValueError(f"{spec.name}: expected sharding {spec.sharding}, got {arg.sharding} "
-                             "(pass reshard_inputs=True to spmd.jit to reshard on device)")
+                             "(reshard it once with array.reshard(<expected sharding>), or pass reshard_inputs=True "
+                             "to spmd.jit to reshard on device at every call)")
         return arg.reshard(spec.sharding)
 
     def _check_donation(self, args, arrays: list[ShardedArray]) -> None:
