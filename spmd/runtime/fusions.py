@@ -291,13 +291,15 @@ def _addmm_ok(dot_inst, add_inst, other) -> bool:
 
 
 def _mm_layout(dot_inst) -> tuple[bool, bool] | None:
-    """(batched, rhs_transposed) when the dot is ``a @ b`` / ``a @ b.T`` (optionally batched on dim 0).
+    """(batched, rhs_transposed) when the dot is a non-empty ``a @ b`` / ``a @ b.T`` (optionally batched on dim 0).
 
     An unbatched ``a`` of rank > 2 contracting its last dim with a 2-d ``b`` counts as ``a @ b``
     on ``a`` flattened to 2-d (a linear layer on ``[B, S, D]`` activations).
     """
     a = dot_inst.attrs
     lhs, rhs = dot_inst.operands
+    if dot_inst.shape.numel == 0 or lhs.shape.numel == 0 or rhs.shape.numel == 0:
+        return None  # an empty M, K or N: the unfused dot and add handle it; addmm rejects some
     lb, rb = tuple(a.get("lhs_batch_dims", ())), tuple(a.get("rhs_batch_dims", ()))
     lc, rc = tuple(a["lhs_contracting_dims"]), tuple(a["rhs_contracting_dims"])
     if not lb and not rb and lhs.shape.rank == 2 == rhs.shape.rank and lc == (1,) and rc in ((0,), (1,)):
@@ -324,8 +326,7 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
 
     Unbatched, an ``a`` of rank > 2 is flattened to 2-d (and ``c`` / ``out`` with it); a ``c``
     that is a row broadcast (stride 0 over rows) goes in as the 1-d bias, which cuBLASLt adds
-    in the GEMM epilogue. With an empty M, K or N it computes ``c + a @ b`` unfused (addmm
-    rejects some empty shapes).
+    in the GEMM epilogue.
     """
     mm = torch.baddbmm if batched else torch.addmm
 
@@ -333,9 +334,6 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
         c, a, b = ops
         if rhs_transposed:
             b = b.transpose(-1, -2)
-        if a.numel() == 0 or b.numel() == 0:  # an empty M, K or N: c + (an empty or all-zero product)
-            r = c + torch.matmul(a, b)
-            return r if out is None else out.copy_(r)
         if batched:
             return mm(c, a, b) if out is None else mm(c, a, b, out=out)
         dims = (*a.shape[:-1], b.shape[-1])
