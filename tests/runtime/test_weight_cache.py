@@ -185,3 +185,31 @@ def test_donating_the_activations_keeps_the_weights_hoisted():
         xs = spmd.device_put(x, spmd.NamedSharding(mesh, P()))
         assert _rel_err(f(w, xs).to_torch(), _mlp_ref(w, x)) < 1e-6 and xs.is_deleted
     assert f.lower(w, x).compile().weight_cache.runs == 1
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_follow_weight_updates_without_recapture():
+    from spmd import metrics
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = llama_layers(small=True, layers=2, seed=5, device="cuda:0")
+    mesh = spmd.Mesh.create(("tp",), devices="cuda:0")
+    pm = parallelize(model, mesh, llama_plan())
+    x = torch.randn(2, 3, 64, device="cuda:0")
+    for _ in range(4):  # eager warm-up, capture, replays
+        got = pm(x).to_torch()
+    assert _rel_err(got, model(x)) < 1e-5 and pm.compiled.weight_cache.runs == 1
+    recaptures = metrics.counter("cuda_graphs.recapture").value
+    for step, name in enumerate([QKV[2], UP, QKV[2], UP]):
+        p = model.get_parameter(name)
+        with torch.no_grad():
+            if step < 2:
+                p.copy_(torch.randn_like(p))
+                pm.params[name] = spmd.device_put(p.detach(), pm.params[name].sharding)
+            else:
+                p.mul_(-2.0)
+                for shard in pm.params[name].shards:
+                    shard.data.mul_(-2.0)
+        assert _rel_err(pm(x).to_torch(), model(x)) < 1e-5
+        assert pm.compiled.weight_cache.runs == 2 + step
+    assert metrics.counter("cuda_graphs.recapture").value == recaptures
