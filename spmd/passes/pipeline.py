@@ -3,7 +3,8 @@
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
     import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
-           → merge-dots → fuse-attention → hoist-weights → fuse-elementwise → assign-streams → schedule
+           → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise
+           → assign-streams → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
 (values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
@@ -33,7 +34,7 @@ from spmd.ir.verify import verify_module
 HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
-          "fuse-attention", "hoist-weights", "fuse-elementwise", "assign-streams", "schedule")
+          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "assign-streams", "schedule")
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,14 @@ class CompileOptions:
         ``spmd.parallelize``'s parameters; merged weights, casts of weights) once per weight
         version instead of on every call (``spmd.passes.hoist_weights``; the runtime caches them
         on the devices, ``spmd.runtime.weight_cache``).
+      split_batch_overlap: "auto" (the cost model decides), "on" or "off": run a row-separable
+        tensor-parallel program as two interleaved batch halves so that one half's all-reduces run
+        under the other half's GEMMs (``spmd.passes.split_batch``).
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
-      ValueError: for an unknown ``windowed_einsum`` mode, a ``num_compute_streams`` < 1,
-        or a ``dump_dir`` that is an existing file (or lies under one).
+      ValueError: for an unknown ``windowed_einsum`` or ``split_batch_overlap`` mode, a
+        ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
         ``fuse_attention``, ``fuse_elementwise`` or ``hoist_weights`` not a bool (or None where
         allowed); ``num_compute_streams`` not an int; ``dump_dir`` not a path.
@@ -78,12 +82,15 @@ class CompileOptions:
     fuse_attention: bool = True
     fuse_elementwise: bool = True
     hoist_weights: bool = True
+    split_batch_overlap: str = "auto"
     dump_dir: str | None = None
     verify: bool | None = None
 
     def __post_init__(self) -> None:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
+        if self.split_batch_overlap not in ("auto", "on", "off"):
+            raise ValueError(f"split_batch_overlap must be 'auto', 'on' or 'off', got {self.split_batch_overlap!r}")
         for name in ("bidirectional", "cuda_graphs", "verify"):
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
@@ -166,6 +173,7 @@ def build_passes(options: CompileOptions) -> list:
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.schedule import Schedule
     from spmd.passes.simplify import Simplify
+    from spmd.passes.split_batch import SplitBatch
     from spmd.passes.spmd_partition import SpmdPartition
     from spmd.passes.windowed_einsum import WindowedEinsum
 
@@ -184,6 +192,7 @@ def build_passes(options: CompileOptions) -> list:
         MergeDots(enabled=options.merge_dots),
         FuseAttention(enabled=options.fuse_attention),
         HoistWeights(enabled=options.hoist_weights),
+        SplitBatch(mode=options.split_batch_overlap),
         FuseElementwise(enabled=options.fuse_elementwise),
         AssignStreams(**streams_kwargs),
         Schedule(),
@@ -213,6 +222,8 @@ def run_pipeline(module: Module, options: CompileOptions, passes: list | None = 
         if p.name == "hoist-weights":
             module = _hoist(result, dataclasses.replace(p, weights=frozenset(weights)) if weights else p, module,
                             dump, index)
+        elif p.name == "split-batch" and weights:
+            module = dataclasses.replace(p, weights=frozenset(weights) | _hoisted(result, module)).run(module)
         else:
             module = p.run(module)
         elapsed = time.perf_counter() - start
@@ -238,6 +249,12 @@ def _hoist(result: PipelineResult, p: Any, module: Module, dump: Path | None, in
         result.prologue_text = print_module(split.prologue)
         _write(dump, f"{module.name}.{index:02d}.{p.name}.prologue.txt", result.prologue_text)
     return split.main
+
+
+def _hoisted(result: PipelineResult, module: Module) -> frozenset[int]:
+    """Parameter numbers of the hoisted values (shared by every row of the batch, like weights)."""
+    names = set(result.hoisted)
+    return frozenset(p.attrs["parameter_number"] for p in module.entry.parameters if p.name in names)
 
 
 def _record(result: PipelineResult, stage: str, module: Module, dump: Path | None, index: int) -> None:
