@@ -404,11 +404,13 @@ def split_batch_us(comp: Any, plan: Any, profile: MachineProfile) -> tuple[float
     (a half's segment k+1 waits for its all-reduce k), the communication stream each half's
     all-reduce after its segment. Each half's GEMM reads the whole shared operand (weights are
     read twice), runs on half the rows (lower efficiency, ``gemm_us``), and every kernel of a
-    half costs ``SPLIT_KERNEL_US`` more. Other ops are memory-bound on ``profile.hbm_gbps``.
+    half costs ``SPLIT_KERNEL_US`` more (kernels counted as after elementwise fusion). Other ops
+    are memory-bound on ``profile.hbm_gbps``.
     An all-reduce costs ``ALL_REDUCE_LATENCY_US`` plus ``2 (p-1)/p`` of its bytes at
     ``profile.collective_gbps``. Returns (serial, split) in µs.
     """
     dims = plan.dims
+    users = comp.users()
     segs: dict[int, list[float]] = {}  # level -> [full compute, half compute, full ar, half ar, kernels]
     level: dict[int, int] = {}
     for inst in comp.instructions:
@@ -424,7 +426,7 @@ def split_batch_us(comp: Any, plan: Any, profile: MachineProfile) -> tuple[float
             continue
         seg[0] += _op_us(inst, dims, 1.0, profile)
         seg[1] += _op_us(inst, dims, 0.5, profile)
-        seg[4] += 1
+        seg[4] += _is_kernel(inst, users[inst])
     serial = sum(s[0] + s[2] for s in segs.values())
     compute = comm = 0.0
     ready = [0.0, 0.0]
@@ -436,6 +438,21 @@ def split_batch_us(comp: Any, plan: Any, profile: MachineProfile) -> tuple[float
                 comm = max(compute, comm) + ar_half
                 ready[h] = comm
     return serial, max(compute, comm)
+
+
+_VIEWS = frozenset({"reshape", "transpose", "broadcast", "slice", "get-tuple-element", "tuple"})
+
+
+def _is_kernel(inst: Any, users: list) -> bool:
+    """Whether ``inst`` ends a kernel after elementwise fusion: not a view, and not an elementwise
+    op whose users are all elementwise too (fuse-elementwise joins those into one kernel)."""
+    from spmd.ir.hlo import ELEMENTWISE_OPCODES
+
+    if inst.opcode in _VIEWS:
+        return False
+    if inst.opcode in ELEMENTWISE_OPCODES:
+        return not users or any(u.opcode not in ELEMENTWISE_OPCODES and u.opcode not in _VIEWS for u in users)
+    return True
 
 
 def _all_reduce_us(inst: Any, frac: float, profile: MachineProfile) -> float:

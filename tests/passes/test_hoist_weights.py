@@ -171,3 +171,15 @@ def test_unpartitioned_module_is_a_value_error():
         HoistWeights(weights=frozenset({1})).split(parse_module(text))
     with pytest.raises(TypeError, match="enabled"):
         HoistWeights(enabled=1)
+
+
+def test_options_are_checked():
+    import spmd
+
+    with pytest.raises(TypeError, match="hoist_weights"):
+        spmd.CompileOptions(hoist_weights=1)
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:1")
+    with pytest.raises(TypeError, match="weight_argnums"):
+        spmd.jit(lambda x: x, mesh=mesh, weight_argnums="0")
+    with pytest.raises(TypeError, match="weight_argnums"):
+        spmd.jit(lambda x: x, mesh=mesh, weight_argnums=(-1,))

@@ -23,6 +23,7 @@ from spmd.passes.assign_streams import AssignStreams
 from spmd.passes.schedule import Schedule
 from spmd.passes.split_batch import SplitBatch
 from spmd.runtime.hazards import find_hazards
+from spmd.runtime.thunks import CollectiveThunk, KernelThunk
 from tests.passes.pass_checks import run_pass_checked
 from tests.passes.test_merge_dots import DOT, _module
 
@@ -111,7 +112,7 @@ class GoldenTest(TestCase):
 # --------------------------------------------------------------------------- rules
 @pytest.mark.parametrize("body", [
     ["%s = f32[] reduce(%x, %zero), dimensions={0,1}, to_apply=%add", "ROOT %out = f32[] negate(%s)"],
-    [f"%t = f32[8,8] dot(%x, %x), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}",
+    ["%t = f32[8,8] dot(%x, %x), lhs_contracting_dims={0}, rhs_contracting_dims={0}",
      "ROOT %out = f32[8,8] negate(%t)"],
     ["%s = f32[2,4] slice(%x), slice={[0:2:1], [0:4:1]}", "ROOT %out = f32[2,4] negate(%s)"],
 ], ids=["reduce", "contract", "slice"])
@@ -171,6 +172,21 @@ def test_bert_numerics_and_no_hazards(axes, devices):
     n = mesh.num_devices
     program = lower_mod.lower(module, [torch.device("cpu")] * n, list(range(n)), assign_buffers(module), gpu=True)
     assert find_hazards(program) == []
+    _assert_overlapped(program, module)
+
+
+def _assert_overlapped(program, module) -> None:
+    """Every async all-reduce (comm stream) is issued before dots that run until its first reader."""
+    dots = {i.name for i in module.entry.instructions if i.opcode == "dot"}
+    thunks = program.thunks
+    collectives = [k for k, t in enumerate(thunks) if isinstance(t, CollectiveThunk) and t.stream_id != 0]
+    assert collectives
+    for k in collectives:
+        first_reader = next(j for j in range(k + 1, len(thunks))
+                            if isinstance(thunks[j], KernelThunk) and thunks[k].out in thunks[j].ins)
+        between = [t.name for t in thunks[k + 1:first_reader] if isinstance(t, KernelThunk) and t.name in dots]
+        last = k == collectives[-1]  # nothing is left to run under the last half's last all-reduce
+        assert between or last, f"nothing runs under {thunks[k].name}"
 
 
 def test_llama_numerics_on_two_devices():
@@ -195,3 +211,8 @@ def test_sequence_dim_when_the_batch_is_one():
     x, w1, w2 = torch.randn(1, 6, 8, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(16, 8, generator=gen)
     assert _rel_err(f(x, w1, w2).to_torch(), mlp(x.double(), w1.double(), w2.double())) < 1e-5
     assert "slice={[0:1:1], [3:6:1]" in f.lower(x, w1, w2).as_text("split-batch")
+
+
+def test_option_is_checked():
+    with pytest.raises(ValueError, match="split_batch_overlap"):
+        spmd.CompileOptions(split_batch_overlap="always")
