@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from spmd import metrics
 from spmd.array import ShardedArray
+from spmd.compile_lock import COMPILE_LOCK
 from spmd.compiled import Compiled, compile_module
 from spmd.mesh import Mesh
 from spmd.passes.pipeline import CompileOptions, type_name
@@ -129,9 +130,14 @@ class Jitted:
         key = self._key(leaves, tree)
         compiled = self._cache.get(key)
         if compiled is None:
-            _MISS.inc()
-            compiled = self.lower(*args).compile()
-            self._cache[key] = compiled
+            with COMPILE_LOCK:  # single flight: a thread that waited finds the program compiled
+                compiled = self._cache.get(key)
+                if compiled is None:
+                    _MISS.inc()
+                    compiled = self.lower(*args).compile()
+                    self._cache[key] = compiled
+                else:
+                    _HIT.inc()
         else:
             _HIT.inc()
         template = _fast_template(args, leaves, compiled)
@@ -151,10 +157,14 @@ class Jitted:
         return tuple(parts)
 
     def lower(self, *args) -> Lowered:
-        """Import and run the compiler pipeline for these arguments (no execution)."""
+        """Import and run the compiler pipeline for these arguments (no execution).
+
+        Thread-safe: traces run one at a time in the process (``spmd.compile_lock``).
+        """
         from spmd.lowering import lower_function
 
-        return lower_function(self, args)
+        with COMPILE_LOCK:
+            return lower_function(self, args)
 
 
 def _hashable_static(leaf):
@@ -200,16 +210,20 @@ class Lowered:
             raise ValueError(f"unknown stage {stage!r}; expected one of {list(self.result.stage_text)}") from None
 
     def compile(self) -> Compiled:
-        """Build (or fetch from the process-wide cache) the executable."""
-        hit = _GLOBAL_CACHE.get(self.cache_key)
-        if hit is not None:
-            metrics.counter("compile_cache.global_hit").inc()
-            return hit.rebind(self)
-        start = time.perf_counter()
-        compiled = compile_module(self)
-        metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
-        _GLOBAL_CACHE[self.cache_key] = compiled
-        return compiled
+        """Build (or fetch from the process-wide cache) the executable.
+
+        Thread-safe: one thread compiles a module, others wait and share it (``spmd.compile_lock``).
+        """
+        with COMPILE_LOCK:
+            hit = _GLOBAL_CACHE.get(self.cache_key)
+            if hit is not None:
+                metrics.counter("compile_cache.global_hit").inc()
+                return hit.rebind(self)
+            start = time.perf_counter()
+            compiled = compile_module(self)
+            metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
+            _GLOBAL_CACHE[self.cache_key] = compiled
+            return compiled
 
     @property
     def result_time_s(self) -> float:
