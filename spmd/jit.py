@@ -112,6 +112,8 @@ class Jitted:
         self.reshard_inputs = reshard_inputs
         self._cache: dict[tuple, Compiled] = {}
         self._fast: tuple[int, Compiled] | None = None
+        self._specs: dict = {}  # arguments' pytree structure -> per-leaf NamedSharding or None
+        self._replicated = NamedSharding(mesh, PartitionSpec()) if isinstance(mesh, Mesh) else None
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     def __call__(self, *args, **kwargs):
@@ -127,7 +129,7 @@ class Jitted:
                     _HIT.inc()
                     return out
         leaves, tree = pytree.tree_flatten(args)
-        key = self._key(leaves, tree)
+        key = self._key(args, leaves, tree)
         compiled = self._cache.get(key)
         if compiled is None:
             with COMPILE_LOCK:  # single flight: a thread that waited finds the program compiled
@@ -145,16 +147,38 @@ class Jitted:
             self._fast = (template, compiled)
         return compiled._call_flat(leaves)
 
-    def _key(self, leaves: list, tree) -> tuple:
+    def _key(self, args: tuple, leaves: list, tree) -> tuple:
+        """The per-``Jitted`` cache key: structure, then per leaf its shape, dtype and sharding: an
+        array's own, a tensor's from ``in_shardings`` (replicated by default), so a ``torch.Tensor``
+        and a ``ShardedArray`` laid out alike share a key."""
+        specs = self._entry_shardings(args, tree)
         parts: list = [tree]
-        for leaf in leaves:
+        for leaf, spec in zip(leaves, specs):
             if isinstance(leaf, ShardedArray):
                 parts.append((tuple(leaf.shape), leaf.dtype, leaf.sharding))
             elif isinstance(leaf, torch.Tensor):
-                parts.append((tuple(leaf.shape), leaf.dtype))
+                parts.append((tuple(leaf.shape), leaf.dtype, spec or self._replicated))
             else:
                 parts.append(("static", type(leaf), _hashable_static(leaf)))
         return tuple(parts)
+
+    def _entry_shardings(self, args: tuple, tree) -> list:
+        """Per flat leaf, the ``NamedSharding`` of ``in_shardings`` for it (or None); cached per structure.
+
+        When ``in_shardings`` does not fit the arguments, every entry is None (lowering then raises
+        the error naming the argument).
+        """
+        specs = self._specs.get(tree)
+        if specs is None:
+            from spmd.lowering import leaf_specs
+
+            try:
+                specs = [_as_named(s, self.mesh, "in_shardings") for s in leaf_specs(self.in_shardings, args,
+                                                                                       "in_shardings")]
+            except (TypeError, ValueError):
+                specs = [None] * tree.num_leaves
+            self._specs[tree] = specs
+        return specs
 
     def lower(self, *args) -> Lowered:
         """Import and run the compiler pipeline for these arguments (no execution).
