@@ -98,15 +98,16 @@ class Compiled:
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
 
-        The executable, buffers and output layout are shared; the argument
-        structure, names, donation and ``reshard_inputs`` come from ``lowered``.
-        Returns ``self`` when ``lowered`` is the one it was built from.
+        The executable and buffers are shared; the argument structure, names, donation,
+        ``reshard_inputs`` and the output shardings come from ``lowered`` (equal module texts
+        may name their shardings differently: ``P("tp", None)`` and ``P(None, "tp")`` over a
+        mesh axis of size 1 lay out alike). Returns ``self`` when ``lowered`` is the one it was
+        built from.
         """
         if lowered is self.lowered:
             return self
-        shapes = [shape for _, shape, _ in self._outputs]
-        dtypes = [dtype for _, _, dtype in self._outputs]
-        return Compiled(lowered, self.executable, self.output_shardings, shapes, dtypes, self.buffers)
+        shardings, shapes, dtypes = output_layout(lowered)
+        return Compiled(lowered, self.executable, shardings, shapes, dtypes, self.buffers)
 
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""

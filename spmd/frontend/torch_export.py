@@ -99,7 +99,18 @@ def _traceable(fn):
 
 
 def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
-    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed."""
+    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed.
+
+    Thread-safe: export uses process-global dispatch modes, so traces run one at a time
+    (``spmd.compile_lock``).
+    """
+    from spmd.compile_lock import COMPILE_LOCK
+
+    with COMPILE_LOCK:
+        return _export(fn_or_module, args, kwargs)
+
+
+def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
     mod = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else _FnModule(fn_or_module)
     try:
         ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
