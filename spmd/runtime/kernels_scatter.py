@@ -2,10 +2,10 @@
 
 The forms and the index rules are those of ``spmd.ir.index_shapes``: a gather clamps its
 indices into range, a scatter skips updates whose index is out of range (XLA). The kernels use
-PyTorch's ``index_select`` / ``gather`` / ``index_add_`` / ``index_copy_`` / ``index_reduce_`` /
-``scatter_*_``; an update with an out-of-range index is dropped without reading indices back to
-the host (no synchronisation): for ``add`` it becomes a zero added at row 0, for the other
-combiners it lands in one extra row past the end that is cut off afterwards.
+PyTorch's ``index_select`` / ``gather`` / ``index_add_`` / ``index_copy_`` / ``scatter_*_``; an
+update with an out-of-range index is dropped without reading indices back to the host (no
+synchronisation): for ``add`` it becomes a zero added at row 0, for the other combiners it lands
+in one extra row past the end that is cut off afterwards.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def _combine(r: Tensor, a: int, i: Tensor, u: Tensor, kind: str, form: str, n: i
             ext.index_copy_(a, i, u)
         else:
             ext.scatter_(a, i, u)
-    elif rows:
-        ext.index_reduce_(a, i, u, _TORCH_REDUCE[kind], include_self=True)
     else:
+        if rows:  # one index per row, spread over the row (index_reduce_ is still a beta API)
+            i = _broadcast_rows(i, u, a, rows).expand(u.shape)
         ext.scatter_reduce_(a, i, u, _TORCH_REDUCE[kind], include_self=True)
     r.copy_(ext.narrow(a, 0, n))
