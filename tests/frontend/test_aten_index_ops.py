@@ -97,3 +97,81 @@ def test_cross_entropy_over_sequence_and_nll_loss():
     fn = lambda x, t: (F.cross_entropy(x, t), F.nll_loss(F.log_softmax(x, 1), t, reduction="sum"))  # noqa: E731
     _, got = run_imported(fn, (logits, target))
     assert_close_tree(got, fn(logits, target), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- through spmd.jit on CPU meshes
+def _mesh(axes):
+    import spmd
+
+    n = 1
+    for v in axes.values():
+        n *= v
+    return spmd.Mesh.create(axes, devices=f"cpu:{n}")
+
+
+def _emb(w, t):
+    return F.embedding(t, w)
+
+
+def _ce(x, t):
+    return F.cross_entropy(x, t, label_smoothing=0.1, ignore_index=3)
+
+
+def _ce_none(x, t):
+    return F.cross_entropy(x, t, reduction="none")
+
+
+def _emb_bwd(g, t):
+    return torch.ops.aten.embedding_dense_backward(g, t, 11, -1, False)
+
+
+def _scatter_add(x, i, y):
+    return x.scatter_add(1, i, y)
+
+
+def _index_add(x, i, y):
+    return x.index_add(0, i, y)
+
+
+def _lm_head_loss(h, w, t):
+    """Tied-embedding logits and the loss: the vocabulary-parallel cross-entropy pattern."""
+    return F.cross_entropy(h @ w.t(), t)
+
+
+V = 11  # uneven over 2 and 4 devices
+
+JIT_CASES = [  # (fn, args maker, in specs, out spec, mesh axes)
+    (_emb, lambda: (_r(V, 6), _i(V, 4, 5)), ("tp", None), None, {"tp": 2}),
+    (_emb, lambda: (_r(V, 6), _i(V, 4, 5)), ("tp", None), None, {"tp": 4}),
+    (_emb, lambda: (_r(V, 6), _i(V, 3, 5)), ("tp", "dp"), "dp", {"dp": 2, "tp": 2}),
+    (_ce, lambda: (_r(6, V), _i(V, 6)), ((None, "tp"), None), (), {"tp": 4}),
+    (_ce, lambda: (_r(5, V), _i(V, 5)), (("dp", "tp"), "dp"), (), {"dp": 2, "tp": 2}),
+    (_ce_none, lambda: (_r(5, V), _i(V, 5)), (("dp", "tp"), "dp"), "dp", {"dp": 2, "tp": 2}),
+    (_emb_bwd, lambda: (_r(4, 5, 6), _i(4, 4, 5)), ("dp", "dp"), (), {"dp": 2}),
+    (_emb_bwd, lambda: (_r(3, 5, 6), _i(V, 3, 5)), ("dp", "dp"), "tp", {"dp": 2, "tp": 2}),
+    (_scatter_add, lambda: (_r(5, 8), _i(8, 5, 7), _r(5, 7)), ((None, "tp"), None, None), (None, "tp"), {"tp": 4}),
+    (_scatter_add, lambda: (_r(5, 8), _i(8, 5, 7), _r(5, 7)), (None, (None, "tp"), (None, "tp")), (), {"tp": 2}),
+    (_index_add, lambda: (_r(V, 3), _i(V, 9), _r(9, 3)), ("tp", "dp", "dp"), "tp", {"dp": 2, "tp": 2}),
+    (_lm_head_loss, lambda: (_r(6, 4), _r(V, 4), _i(V, 6)), (None, "tp", None), (), {"tp": 2}),
+]
+
+
+def _spec(s):
+    from spmd import PartitionSpec as P
+
+    if s is None or s == ():
+        return P()
+    return P(*s) if isinstance(s, tuple) else P(s)
+
+
+@pytest.mark.parametrize("case", range(len(JIT_CASES)))
+def test_index_ops_on_meshes_match_eager(case):
+    import spmd
+
+    torch.manual_seed(case)
+    fn, make, in_specs, out_spec, axes = JIT_CASES[case]
+    args = make()
+    specs = tuple(_spec(s) for s in in_specs)
+    f = spmd.jit(fn, mesh=_mesh(axes), in_shardings=specs, out_shardings=_spec(out_spec))
+    got = f(*args).to_torch()
+    torch.testing.assert_close(got, fn(*args), rtol=1e-12, atol=1e-12)
