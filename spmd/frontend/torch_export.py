@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_sort_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_update_ops  # noqa: F401  (registers converters)
 from spmd.frontend.aten_common import ATEN_OPS, Missing, UnsupportedOpError, bind_args
 from spmd.frontend.emitter import Emitter, dtype_of
