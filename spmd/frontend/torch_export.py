@@ -30,6 +30,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_sort_ops  # noqa: F401  (registers converters)
