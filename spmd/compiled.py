@@ -26,7 +26,8 @@ import torch.utils._pytree as pytree
 from spmd import metrics
 from spmd.array import ShardedArray, device_put
 from spmd.ir.hlo import Module
-from spmd.sharding import NamedSharding
+from spmd.ir.random import draw_key
+from spmd.sharding import NamedSharding, PartitionSpec
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -94,6 +95,9 @@ class Compiled:
         self._out_leaf = lowered.out_tree.is_leaf()
         self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
         self._run_for, self._run = None, None  # see _execute
+        # A program that draws random numbers takes a fresh key as its last input (spmd.ir.random).
+        self._rng_key_sharding = (NamedSharding(self.mesh, PartitionSpec())
+                                  if getattr(lowered.program, "rng_key_parameter", None) is not None else None)
 
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
@@ -207,6 +211,10 @@ class Compiled:
         events = None
         if any(map(_READY, arrays)):
             events = [a._ready_events or self._no_events for a in arrays]
+        if self._rng_key_sharding is not None:
+            buffers.append(device_put(draw_key(), self._rng_key_sharding)._buffers)
+            if events is not None:
+                events.append(self._no_events)
         if self._donated:
             self._check_donation(args, arrays)
         ex = self.executable

@@ -195,7 +195,7 @@ def lower_function(jitted, args: tuple):
     module = program.module
     out_tree = holder["out_tree"]
     _name_parameters(module, jitted.fn, [paths[i] for i in tensor_idx])
-    _annotate(module, mesh, in_leaves, jitted.out_shardings, out_tree)
+    _annotate(module, mesh, in_leaves + _rng_key_leaves(program, mesh), jitted.out_shardings, out_tree)
     key = (print_module(module), mesh, jitted.options, jitted.donate_argnums, repr(static))
     root = module.entry.root
     out_avals = [(torch.Size(o.shape.dims), o.shape.torch_dtype)
@@ -204,6 +204,16 @@ def lower_function(jitted, args: tuple):
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
+
+
+def _rng_key_leaves(program, mesh) -> list:
+    """The replicated ``s64[2]`` random-key input a program that draws random numbers takes last
+    (``spmd.frontend.aten_random_ops``); ``Compiled`` passes a fresh key at every call."""
+    from spmd.jit import _Leaf
+
+    if program.rng_key_parameter is None:
+        return []
+    return [_Leaf((2,), torch.int64, NamedSharding(mesh, PartitionSpec()))]
 
 
 def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
