@@ -84,7 +84,7 @@ def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozense
         out_specs = tuple(b.random_spec(shapes[o]) for o in outputs)
     options = _draw_options(d)
     donate: tuple[int, ...] = ()
-    if "donation" in features and d.boolean(0.2):
+    if "donation" in features and d.boolean(0.25):
         read = {i for i, x in enumerate(b.inputs) if any(_reads(line, x.name) for line in b.lines)}
         allowed = [i for i in range(n_in) if "donate_unread" in features or i in read]
         donate = tuple(i for i in allowed if d.boolean(0.6))
@@ -104,8 +104,11 @@ def _reads(line: str, name: str) -> bool:
 def _draw_outputs(b: Builder) -> tuple[str, ...]:
     computed = [v.name for v in b.values if not v.name.startswith("x")]
     outs = [computed[-1]]
-    for _ in range(b.d.choice((0, 0, 1, 2))):
-        other = computed[b.d.integer(0, len(computed) - 1)]
+    # Extra outputs: mostly values nothing else reads (so little of the program is dead code).
+    sinks = [n for n in computed[:-1] if not any(_reads(line.split("=", 1)[-1], n) for line in b.lines)]
+    for _ in range(b.d.choice((0, 1, 2, 3))):
+        pool = sinks if sinks and b.d.boolean(0.8) else computed
+        other = pool[b.d.integer(0, len(pool) - 1)]
         if other not in outs:
             outs.append(other)
     if b.d.boolean(0.05):

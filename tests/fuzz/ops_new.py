@@ -63,7 +63,7 @@ def op_gather(b: Builder) -> None:
         shape = tuple(b.d.integer(1, s) for s in a.shape)
         idx = b.new_input(shape, torch.int64, high=a.shape[d])
         if kind == "gather":
-            b.emit(f"torch.gather({a.name}, {d}, {idx})", exact=a.exact)
+            b.emit(f"torch.gather({a.name}, {d}, {idx})")
         else:
             src = b.new_input(shape, a.dtype)
             b.emit(f"torch.scatter_add({a.name}, {d}, {idx}, {src})")
@@ -71,7 +71,7 @@ def op_gather(b: Builder) -> None:
     m = b.d.choice((3, 1, 5))
     idx = b.new_input((m,), torch.int64, high=a.shape[d])
     if kind == "index_select":
-        b.emit(f"torch.index_select({a.name}, {d}, {idx})", exact=a.exact)
+        b.emit(f"torch.index_select({a.name}, {d}, {idx})")
     elif kind == "index_add":
         src = b.new_input(tuple(m if i == d else s for i, s in enumerate(a.shape)), a.dtype)
         b.emit(f"{a.name}.index_add({d}, {idx}, {src})")
