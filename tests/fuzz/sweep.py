@@ -84,13 +84,16 @@ def sweep(args) -> dict:
                     print(f"--- case {i}: {out.signature}\n{entry['repro']}", flush=True)
         if n % 200 == 0:
             spmd_jit._GLOBAL_CACHE.clear()  # bound memory over long sweeps
-        if n % 25 == 0 or n == args.n:
+        over = args.budget_s and time.monotonic() - start > args.budget_s
+        if n % 25 == 0 or n == args.n or over:
             report = _report(args, counts, by_donation, sigs, ops, ratios, n, time.monotonic() - start)
             if args.out:
                 with open(args.out, "w") as fh:
                     json.dump(report, fh, indent=1)
             if args.progress:
                 print(f"{n}/{args.n} {dict(counts)} {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+        if over:
+            break
     return report
 
 
@@ -107,9 +110,21 @@ def shrink_case(args, draw, case, out):
                   budget_s=args.shrink_s)
 
 
+#: Upper bounds of the error/tolerance histogram bins (a match is <= 1).
+RATIO_BINS = (0.001, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+
+
+def ratio_histogram(ratios: list[float]) -> dict[str, int]:
+    hist = {f"<={b}": 0 for b in RATIO_BINS}
+    for r in ratios:
+        for b in RATIO_BINS:
+            if r <= b:
+                hist[f"<={b}"] += 1
+                break
+    return hist
+
+
 def _report(args, counts, by_donation, sigs, ops, ratios, n, elapsed_s) -> dict:
-    ratios = sorted(ratios)
-    pct = {p: ratios[min(len(ratios) - 1, int(p / 100 * len(ratios)))] for p in (50, 90, 99, 100)} if ratios else {}
     return {
         "programs": n, "seed": args.seed, "start": args.start, "device": args.device,
         "features": sorted(args.features), "elapsed_s": round(elapsed_s, 1),
@@ -117,8 +132,82 @@ def _report(args, counts, by_donation, sigs, ops, ratios, n, elapsed_s) -> dict:
         "counts_by_donation": {f"{c} ({'donation' if d else 'no donation'})": k for (c, d), k in by_donation.items()},
         "signatures": dict(sorted(sigs.items(), key=lambda kv: (kv[1]["class"] == "unsupported", -kv[1]["count"]))),
         "ops": dict(ops.most_common()),
-        "error_over_tolerance_percentiles": {str(p): round(v, 4) for p, v in pct.items()},
+        "error_over_tolerance": {"max": round(max(ratios, default=0.0), 4), "histogram": ratio_histogram(ratios)},
     }
+
+
+def merge(reports: list[dict]) -> dict:
+    """One report of several sweeps over disjoint ranges (counts summed, first reproducer kept)."""
+    out = {"programs": 0, "seed": reports[0]["seed"], "start": min(r["start"] for r in reports),
+           "device": reports[0]["device"], "features": reports[0]["features"],
+           "elapsed_s": max(r["elapsed_s"] for r in reports), "counts": collections.Counter(),
+           "counts_by_donation": collections.Counter(), "signatures": {}, "ops": collections.Counter(),
+           "error_over_tolerance": {"max": 0.0, "histogram": collections.Counter()}}
+    for r in reports:
+        out["programs"] += r["programs"]
+        out["counts"].update(r["counts"])
+        out["counts_by_donation"].update(r["counts_by_donation"])
+        out["ops"].update(r["ops"])
+        eot = out["error_over_tolerance"]
+        eot["max"] = max(eot["max"], r["error_over_tolerance"]["max"])
+        eot["histogram"].update(r["error_over_tolerance"]["histogram"])
+        for sig, e in r["signatures"].items():
+            mine = out["signatures"].setdefault(sig, dict(e, count=0))
+            mine["count"] += e["count"]
+            if e["first"] < mine["first"] or "repro" not in mine:
+                mine.update({k: v for k, v in e.items() if k != "count"})
+    for key in ("counts", "counts_by_donation", "ops"):
+        out[key] = dict(out[key])
+    out["error_over_tolerance"]["histogram"] = dict(out["error_over_tolerance"]["histogram"])
+    out["signatures"] = dict(sorted(out["signatures"].items(),
+                                    key=lambda kv: (kv[1]["class"] == "unsupported", -kv[1]["count"])))
+    return out
+
+
+def run_jobs(args, argv: list[str]) -> dict:
+    """Split the range over ``args.jobs`` child processes (``--start``/``--n`` each) and merge their reports."""
+    import os
+    import subprocess
+    import tempfile
+
+    per = -(-args.n // args.jobs)
+    tmp = tempfile.mkdtemp(prefix="fuzz-sweep-")
+    children = []
+    rest = _strip(argv, ("--jobs", "--n", "--start", "--out"))
+    for k in range(args.jobs):
+        start, n = args.start + k * per, min(per, args.n - k * per)
+        if n <= 0:
+            break
+        path = os.path.join(tmp, f"part{k}.json")
+        cmd = [sys.executable, "-m", "tests.fuzz.sweep", *rest, "--start", str(start), "--n", str(n), "--out", path]
+        children.append((path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL)))
+    reports = []
+    for path, child in children:
+        child.wait()
+        if os.path.exists(path):
+            with open(path) as fh:
+                reports.append(json.load(fh))
+    report = merge(reports)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return report
+
+
+def _strip(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the options ``names`` (each with its value)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = True
+            continue
+        if any(a.startswith(n + "=") for n in names):
+            continue
+        out.append(a)
+    return out
 
 
 def summary(report: dict) -> str:
@@ -131,7 +220,8 @@ def summary(report: dict) -> str:
         lines.append(f"  {cls:<12} {k:>7}  {100 * k / total:5.1f}%")
     for key, k in sorted(report["counts_by_donation"].items()):
         lines.append(f"    {key:<30} {k:>7}")
-    lines.append(f"  error/tolerance percentiles (matches): {report['error_over_tolerance_percentiles']}")
+    eot = report["error_over_tolerance"]
+    lines.append(f"  error/tolerance of float outputs that matched: max {eot['max']}, histogram {eot['histogram']}")
     lines.append("  signatures (count, class, first case):")
     for sig, e in report["signatures"].items():
         lines.append(f"  {e['count']:>6}  {e['class']:<11} #{e['first']:<6} {sig}")
@@ -154,6 +244,9 @@ def parse_args(argv=None):
     p.add_argument("--shrink", action="store_true", help="shrink the first case of every failure signature")
     p.add_argument("--shrink-s", type=float, default=120.0, help="time budget per shrink")
     p.add_argument("--progress", action="store_true")
+    p.add_argument("--budget-s", type=float, default=0, help="stop after this many seconds (0 = run all n)")
+    p.add_argument("--jobs", type=int, default=1, help="child processes to split the range over")
+    p.add_argument("--merge", nargs="+", default=None, help="merge these JSON reports (to --out) and print them")
     p.add_argument("--verbose", action="store_true", help="print each new failure's reproducer")
     args = p.parse_args(argv)
     unknown = set(filter(None, args.without.split(","))) - ALL_FEATURES
@@ -173,7 +266,19 @@ def main(argv=None) -> int:
             case, out = shrink_case(args, draw, case, out)
         print(f"{out.cls}: {out.signature}\n{out.detail}\n\n{reproducer(case, out.signature)}")
         return 0 if out.cls not in FAILING else 1
-    report = sweep(args)
+    if args.merge:
+        reports = []
+        for path in args.merge:
+            with open(path) as fh:
+                reports.append(json.load(fh))
+        report = merge(reports)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(report, fh, indent=1)
+    elif args.jobs > 1:
+        report = run_jobs(args, list(sys.argv[1:] if argv is None else argv))
+    else:
+        report = sweep(args)
     print(summary(report))
     return 0 if not any(report["counts"].get(c) for c in FAILING) else 1
 

@@ -24,7 +24,7 @@ from tests.fuzz.generate import KNOWN_OPEN, ci_features, generate_case
 from tests.fuzz.oracle import Wrong, classify_exception, compare_float, describe, run_case
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, note, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.fuzz.draw import HypothesisDraw  # noqa: E402
@@ -41,6 +41,7 @@ def test_ci_slice(data):
     case = generate_case(d, d.integer(0, 9999), features=ci_features(), max_ops=CI_MAX_OPS)
     note(reproducer(case))
     outcome = run_case(case)
+    event(f"outcome: {outcome.cls}")  # pytest --hypothesis-show-statistics
     if outcome.cls not in ("match", "unsupported"):
         raise AssertionError(f"known open (excluded from this slice): {sorted(KNOWN_OPEN)}\n"
                              + describe(case, outcome))
