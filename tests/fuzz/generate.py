@@ -26,10 +26,7 @@ from tests.fuzz.ops_new import NEW_OPS
 ALL_FEATURES = frozenset({"new_ops", "donation", "donate_unread", "constraints"})
 
 #: Features excluded from the CI slice because of an open, recorded bug (feature -> finding).
-KNOWN_OPEN: dict[str, str] = {
-    "donation": "fuzz_findings.md: donation crashes and wrong values (issue 20, being fixed on branch fix)",
-    "donate_unread": "fuzz_findings.md: a donated argument the program never reads (issue 20, branch fix)",
-}
+KNOWN_OPEN: dict[str, str] = {}
 
 MESHES_1D = (2, 1, 4, 3, 8, 6)
 MESHES_2D = ((2, 2), (1, 2), (2, 1), (2, 3), (3, 2), (2, 4), (4, 2))

@@ -29,7 +29,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests.fuzz.draw import HypothesisDraw  # noqa: E402
 
-CI_EXAMPLES = int(os.environ.get("SPMD_FUZZ_CI_EXAMPLES", "30"))
+CI_EXAMPLES = int(os.environ.get("SPMD_FUZZ_CI_EXAMPLES", "25"))
 CI_MAX_OPS = 8
 
 
