@@ -102,6 +102,7 @@ class TrainStep:
         The previous params and state are donated to the step; on an error raised before the
         step runs (bad batch, tracing error) they are left as they were.
         """
+        self._check_state()
         placed = self.place_batch(batch)
         leaves, tree = torch.utils._pytree.tree_flatten(placed)
         key = (tree, tuple((tuple(x.shape), x.dtype) for x in leaves))
@@ -113,6 +114,21 @@ class TrainStep:
         params, state, metrics = compiled(self.params, self.opt_state, placed)
         self.params, self.opt_state = params, state
         return {k: v.to_torch() for k, v in metrics.items()}
+
+    def _check_state(self) -> None:
+        """ValueError unless every parameter and optimizer buffer is a live ShardedArray laid out as planned."""
+        arrays = [(f"params[{k!r}]", v, self.param_specs[k]) for k, v in self.params.items()]
+        arrays.append(("opt_state['step']", self.opt_state.get("step"), PartitionSpec()))
+        for slot in self.optimizer.slots():
+            bufs = self.opt_state.get(slot, {})
+            arrays += [(f"opt_state[{slot!r}][{k!r}]", bufs.get(k), self.param_specs[k]) for k in self.params]
+        for what, x, spec in arrays:
+            if not isinstance(x, ShardedArray):
+                raise TypeError(f"{what}: expected a ShardedArray, got {type(x).__name__}")
+            x._check_alive(what)
+            want = NamedSharding(self.mesh, spec)
+            if x.sharding != want:
+                raise ValueError(f"{what}: expected sharding {want} (its parameter's), got {x.sharding}")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and optimizer state as CPU tensors: ``param.<fqn>``, ``opt.step``, ``opt.<slot>.<fqn>``."""
