@@ -22,9 +22,9 @@ stops the export at the first gradient request (``requires_grad_``, ``autograd.g
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
+import traceback
 from typing import Any
 
 import torch
@@ -97,8 +97,15 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
-class _SdpaAsMath(TorchFunctionMode):
+class _JointMode(TorchFunctionMode):
+    """Traces SDPA as its math and tags the nodes of each torch call with the caller's stack.
+
+    Backward kernels run inside ``torch.autograd.grad`` (or the ``torch.func`` transform), so
+    they are tagged with the line that asked for the gradient.
+    """
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        fx_traceback.set_stack_trace(traceback.format_stack()[:-1])
         if func is torch.nn.functional.scaled_dot_product_attention:
             return _sdpa_math(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
@@ -112,8 +119,6 @@ def _decompositions() -> dict:
 
 
 def _make_fx(fn, **kwargs):
-    if "record_stack_traces" in inspect.signature(make_fx).parameters:
-        kwargs["record_stack_traces"] = True
     return make_fx(fn, tracing_mode="fake", **kwargs)
 
 
@@ -122,7 +127,7 @@ def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:
 
     ``flat_fn`` takes tensors positionally and returns a tuple of tensors.
     """
-    with _SdpaAsMath():
+    with fx_traceback.preserve_node_meta(), _JointMode():
         graph = _make_fx(flat_fn)(*examples)
 
     def replay(*xs):
