@@ -102,3 +102,29 @@ def test_tensor_and_sequence_parallel():
 
 def test_dp_times_tp():
     _check(Mesh.create({"dp": 2, "tp": 4}, devices="cpu:8"), *_adamw(), plan=gpt_plan(), batch=4)
+
+
+def test_llama_tensor_and_sequence_parallel_sgd():
+    """Llama layer (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) under llama_plan with SP."""
+    from spmd.models.llama import llama_layers
+    from spmd.models.plans import llama_plan
+
+    def model():
+        return llama_layers("llama2-7b", 1, small=True, seed=0).train().requires_grad_()
+
+    g = torch.Generator().manual_seed(2)
+    batches = [{"x": torch.randn(2, 8, 64, generator=g), "y": torch.randn(2, 8, 64, generator=g)} for _ in range(STEPS)]
+    ref = model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ts = make_train_step(model(), Mesh.create(("tp",), devices="cpu:2"), llama_plan(sequence_parallel=True), _loss_fn,
+                         optimizer=SGD(lr=0.05, momentum=0.9))
+    for k, b in enumerate(batches):
+        opt.zero_grad()
+        want = _loss_fn(ref, b)
+        want.backward()
+        opt.step()
+        got = float(ts.step(b)["loss"])
+        assert abs(got - float(want.detach())) <= 1e-5 * float(want.detach()), k
+    sd = ts.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(sd[f"param.{name}"], p.detach(), rtol=0, atol=1e-4, msg=name)
