@@ -234,20 +234,6 @@ def _identity(em: Emitter, a: dict, val) -> Instruction:
     return list(a.values())[0]
 
 
-@register(aten.dropout.default, aten.feature_dropout.default)
-def _dropout(em: Emitter, a: dict, val) -> Instruction:
-    if a["train"] and a["p"] > 0:
-        raise NotImplementedError("dropout in training mode (call module.eval())")
-    return a["input"]
-
-
-@register(aten.native_dropout.default)
-def _native_dropout(em: Emitter, a: dict, val) -> tuple:
-    if a["train"] and a["p"] > 0:
-        raise NotImplementedError("dropout in training mode (call module.eval())")
-    return a["input"], Missing("aten.native_dropout mask")
-
-
 # --------------------------------------------------------------------------- reductions
 def _keep(em: Emitter, r: Instruction, val) -> Instruction:
     return em.reshape(r, out_dims(val))
