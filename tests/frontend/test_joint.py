@@ -75,18 +75,24 @@ def test_joint_program_has_no_backward_custom_ops():
     assert len(prog.module.entry.parameters) == 4
 
 
-def test_embedding_gradient_needs_index_put():
-    """Until scatter-add / index_put with accumulate lands, the embedding backward is a clear error."""
-    def f(table, ids):
-        return torch.func.grad(lambda t: F.embedding(ids, t).pow(2).sum())(table)
+@pytest.mark.parametrize("table_spec", [P(), P("tp"), P(None, "tp")])
+def test_embedding_and_cross_entropy_gradients(table_spec):
+    """Embedding backward with repeated token ids (index_put with accumulate), on a vocabulary-sharded
+    table too, and cross-entropy with ignored labels and label smoothing, through a tied output layer."""
+    def f(table, ids, labels):
+        def loss(t):
+            h = F.embedding(ids, t)  # [2, 3, 4]
+            logits = h.reshape(6, 4) @ t.T  # [6, 10]
+            return F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.1)
+        g, value = torch.func.grad_and_value(loss)(table)
+        return value, g
 
-    try:
-        out = spmd.jit(f, mesh=Mesh.create(("dp",), devices="cpu:1"))(torch.randn(10, 4), torch.tensor([1, 3, 1]))
-    except TypeError as e:  # UnsupportedOpError
-        assert "unsupported" in str(e)
-        return
-    table = torch.randn(10, 4)  # supported: check the value (repeated ids accumulate)
-    want = f(table, torch.tensor([1, 3, 1]))
-    del out
-    got = spmd.jit(f, mesh=Mesh.create(("dp",), devices="cpu:1"))(table, torch.tensor([1, 3, 1]))
-    torch.testing.assert_close(got.to_torch(), want)
+    torch.manual_seed(0)
+    table = torch.randn(10, 4)
+    ids = torch.tensor([[1, 3, 1], [9, 1, 0]])
+    labels = torch.tensor([2, -100, 3, 3, 1, 0])
+    mesh = Mesh.create(("tp",), devices="cpu:2")
+    got = spmd.jit(f, mesh=mesh, in_shardings=(table_spec, P(), P()))(table, ids, labels)
+    want = f(table.double(), ids, labels)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.to_torch().double(), e, rtol=1e-5, atol=1e-6)
