@@ -140,6 +140,7 @@ def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:
 
 def import_joint(flat_fn, examples: tuple, name: str):
     """Trace ``flat_fn`` with ``trace_joint`` and convert it; returns an ``ImportedProgram``."""
+    from spmd.frontend.aten_random_ops import rng_key_parameter
     from spmd.frontend.torch_export import ImportedProgram, _convert_node, _lookup, _where, location_of
 
     gm = trace_joint(flat_fn, examples)
@@ -169,6 +170,7 @@ def import_joint(flat_fn, examples: tuple, name: str):
             root = outs[0] if len(outs) == 1 else em.tuple(outs)
         else:
             raise UnsupportedOpError(f"unsupported graph node {node.op} {node.target} at {_where(location_of(node))}")
+    rng = rng_key_parameter(em)
     entry = Computation("main", em.instructions, root)
     entry.remove_dead()
     used = {id(i.attrs["to_apply"]) for i in entry.instructions if "to_apply" in i.attrs}
@@ -177,4 +179,5 @@ def import_joint(flat_fn, examples: tuple, name: str):
     return ImportedProgram(
         module=module, input_names=tuple(names), param_names=(), param_values=(),
         in_tree=pytree.tree_structure((tuple(examples), {})), user_leaf_indices=tuple(range(len(names))),
-        out_tree=pytree.tree_structure(tuple(range(n_out))))
+        out_tree=pytree.tree_structure(tuple(range(n_out))),
+        rng_key_parameter=None if rng is None else rng.attrs["parameter_number"])

@@ -96,3 +96,23 @@ def test_embedding_and_cross_entropy_gradients(table_spec):
     want = f(table.double(), ids, labels)
     for a, e in zip(got, want):
         torch.testing.assert_close(a.to_torch().double(), e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_dropout_backward_uses_the_forward_mask(n):
+    """native_dropout's mask is one value of the joint program: the gradient sees the forward's mask."""
+    def f(w, x):
+        def loss(w):
+            y = F.dropout(x @ w, 0.5, training=True)
+            return y.pow(2).sum(), y
+        g, (_, y) = torch.func.grad_and_value(loss, has_aux=True)(w)
+        return g, y
+
+    torch.manual_seed(0)
+    w, x = torch.randn(4, 5), torch.randn(6, 4)
+    g, y = spmd.jit(f, mesh=Mesh.create(("dp",), devices=f"cpu:{n}"), in_shardings=(P(), P("dp")))(w, x)
+    g, y = g.to_torch(), y.to_torch()
+    keep = y != 0
+    assert 0 < int(keep.sum()) < keep.numel()
+    torch.testing.assert_close(y[keep], ((x @ w) / 0.5)[keep])
+    torch.testing.assert_close(g, x.T @ (2 * y * keep / 0.5), rtol=1e-5, atol=1e-5)
