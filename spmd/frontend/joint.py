@@ -55,6 +55,18 @@ def _asks_for_grad(func, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+def _check_differentiable(x) -> None:
+    """TypeError for a gradient requested of an integer / bool tensor, naming the user's line."""
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex:
+        return
+    from spmd.frontend.torch_export import _LIBRARY_DIRS
+
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_LIBRARY_DIRS)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    raise TypeError(f"gradients requested for a tensor of dtype {x.dtype} and shape {tuple(x.shape)}{where}: "
+                    "only floating-point tensors have gradients (differentiate with respect to float inputs)")
+
+
 class NeedsJoint(Exception):
     """Raised inside ``torch.export`` tracing when the program asks for gradients."""
 
@@ -68,6 +80,7 @@ class GradDetector(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _GRAD_FUNCS and _asks_for_grad(func, args, kwargs or {}):
+            _check_differentiable(args[0] if args else None)
             self.seen = True
             raise NeedsJoint(getattr(func, "__name__", str(func)))
         return func(*args, **(kwargs or {}))

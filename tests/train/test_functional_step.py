@@ -150,3 +150,19 @@ def test_save_and_load_resume_bit_for_bit(tmp_path):
     assert [float(resumed.step(b)["loss"]) for b in batches[3:]] == losses[3:]
     end, want = resumed.state_dict(), straight.state_dict()
     assert all(torch.equal(end[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("how", ["func", "autograd"])
+def test_gradient_of_integer_input_is_a_type_error(how):
+    def by_func(w, ids):
+        return torch.func.grad(lambda i: (w[0] * i).sum())(ids)
+
+    def by_autograd(w, ids):
+        with torch.enable_grad():
+            ids = ids.requires_grad_()
+            return torch.autograd.grad((w[0] * ids).sum(), ids)[0]
+
+    fn = by_func if how == "func" else by_autograd
+    with pytest.raises(TypeError, match=r"gradients requested for a tensor of dtype torch.int64 and shape \(2,\) "
+                                        r"at .*test_functional_step.py:\d+"):
+        spmd.jit(fn, mesh=Mesh.create(("dp",), devices="cpu:1"))(torch.randn(4), torch.tensor([1, 2]))
