@@ -128,3 +128,21 @@ def test_llama_tensor_and_sequence_parallel_sgd():
     sd = ts.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(sd[f"param.{name}"], p.detach(), rtol=0, atol=1e-4, msg=name)
+
+
+def test_collectives_of_data_parallel_and_fsdp():
+    """DP all-reduces the gradients; FSDP all-gathers weights and reduce-scatters gradients (shardings alone)."""
+    from spmd.parallelize import summarize_collectives
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    loss = lambda apply, b: F.mse_loss(apply(b["x"]), b["y"])
+    batch = {"x": torch.randn(8, 16), "y": torch.randn(8, 16)}
+    kinds = {}
+    for fsdp in (False, True):
+        ts = make_train_step(model, Mesh.create(("dp",), devices="cpu:4"), None, loss, optimizer=SGD(lr=0.1), fsdp=fsdp)
+        ts.step(batch)
+        kinds[fsdp] = {s.opcode: s for s in summarize_collectives(ts.lowered.as_text("spmd-partition"))}
+    assert set(kinds[False]) == {"all-reduce"} and kinds[False]["all-reduce"].count == 5  # 4 gradients + loss
+    assert {"all-gather", "reduce-scatter"} <= set(kinds[True])
+    assert kinds[True]["all-reduce"].bytes_per_device < 64  # only the scalar loss is all-reduced
