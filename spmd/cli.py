@@ -1,4 +1,5 @@
-"""The ``spmd`` command: ``spmd demo`` (real MiniLM, tensor-parallel) and ``spmd run`` (time a model).
+"""The ``spmd`` command: ``spmd demo`` (real MiniLM, tensor-parallel), ``spmd run`` (time a model) and
+``spmd train`` (a small GPT trained on a mesh, ``spmd.train.cli_train``).
 
     python -m spmd demo                       # all local GPUs, else 4 virtual CPU devices
     python -m spmd run --model gpt3-layer --mesh tp=2 --layers 2 --dtype bfloat16
@@ -321,7 +322,7 @@ def _neighbours_table(sentences, emb: torch.Tensor) -> Table:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd", description="SPMD compiler and runtime for PyTorch programs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run,train}")
 
     demo = sub.add_parser("demo", help="real MiniLM sentence embeddings, tensor-parallel, checked against a reference")
     demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else 4 cpu devices")
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sequence-parallel", action="store_true",
                      help="block models: split norms and residuals on the sequence dim (Megatron-SP)")
     _common(run)
+    from spmd.train.cli_train import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 
@@ -378,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False)
     try:
         _finish_args(args)
+        if args.command == "train":
+            from spmd.train.cli_train import cmd_train
+
+            return cmd_train(args, console)
         return cmd_demo(args, console) if args.command == "demo" else cmd_run(args, console)
     except (ValueError, TypeError) as e:
         if args.debug:
