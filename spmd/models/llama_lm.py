@@ -29,7 +29,7 @@ from spmd.models.common import init_random_
 from spmd.models.gpt import _replace
 from spmd.models.llama import LlamaAttention, LlamaConfig, LlamaLayer, RMSNorm
 
-CACHE_UPDATES = ("mask", "index")
+CACHE_UPDATES = ("mask", "index", "inplace")
 
 
 @dataclass(frozen=True)
@@ -74,8 +74,16 @@ def write_cache(cache: torch.Tensor, new: torch.Tensor, slot, mode: str) -> torc
     step's device position). ``mode`` "index" writes with ``index_copy`` (a dynamic-update-slice
     in the compiled program); "mask" selects with ``torch.where`` over the slot dim (needs S == 1).
     Functional: returns the new cache (a compiled step donating the cache writes it in place).
+    "inplace" writes ``cache`` itself and returns it (gpt-fast's eager / ``torch.compile`` form, for
+    caches held as module buffers; not for ``spmd.jit``).
     """
     s, max_seq = new.shape[2], cache.shape[2]
+    if mode == "inplace":
+        if isinstance(slot, int):
+            cache[:, :, slot:slot + s] = new
+        else:
+            cache.index_copy_(2, slot.reshape(1) + torch.arange(s, device=cache.device), new)
+        return cache
     if isinstance(slot, int):
         parts = [cache[:, :, :slot], new, cache[:, :, slot + s:]]
         return torch.cat([p for p in parts if p.shape[2]], dim=2)

@@ -34,6 +34,9 @@ def test_cache_writes_agree(s):
     assert torch.equal(write_cache(cache, new, torch.tensor(5), "index"), expect)
     if s == 1:
         assert torch.equal(write_cache(cache, new, torch.tensor(5), "mask"), expect)
+    for slot in (5, torch.tensor(5)):
+        inplace = cache.clone()
+        assert write_cache(inplace, new, slot, "inplace") is inplace and torch.equal(inplace, expect)
 
 
 def test_presets_have_published_shapes():
