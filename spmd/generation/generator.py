@@ -2,17 +2,18 @@
 
 Two programs with static shapes, each compiled once and reused for every token:
 
-- **prefill** ``(params, tokens [B, P], start [B], kv, rng) -> (token [B], kv, rng)``: the
-  left-padded prompts (static length P) fill cache slots ``0 .. P-1`` and the first token is
-  sampled;
-- **decode** ``(params, token [B], slot [], start [B], kv, rng) -> (token [B], slot + 1, kv, rng)``:
-  one token per sequence written at the device position ``slot``.
+- **prefill** ``(params, tokens [B, P], start [B], kv, rng, history) -> (token [B], kv, rng,
+  history)``: the left-padded prompts (static length P) fill cache slots ``0 .. P-1`` and the
+  first token is sampled;
+- **decode** ``(params, token [B], slot [], start [B], kv, rng, history) -> (token [B], slot + 1,
+  kv, rng, history)``: one token per sequence written at the device position ``slot``.
 
 The KV cache (one ``(k, v)`` pair of ``ShardedArray``s per layer, [B, kv heads, max_seq,
 head_dim]: batch over ``dp``, KV heads over ``tp``, replicated over ``tp`` when tp does not
 divide the KV head count) and the sampler's random state are donated to each step and come back
-as its outputs. The sampled token and the position stay on device and feed the next step: the
-host fetches the tokens at the end, or every ``stream_every`` steps.
+as its outputs, and so is ``history`` (int64 [B, max new tokens], the sampled tokens). The sampled
+token and the position stay on device and feed the next step: the host fetches ``history`` at
+the end, or every ``stream_every`` steps.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd import metrics
-from spmd.array import ShardedArray, device_put
+from spmd.array import device_put
 from spmd.generation.sampling import Sampling, initial_rng_state, sample
 from spmd.jit import jit
 from spmd.mesh import Mesh
@@ -63,6 +64,16 @@ class GenerationResult:
         return n / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def _record(history: torch.Tensor, token: torch.Tensor, index) -> torch.Tensor:
+    """``history`` int64 [B, T] with column ``index`` (int or int64 tensor []) set to ``token`` [B].
+
+    The sampled tokens accumulate on device in one donated buffer, so the host holds no
+    per-step output (a CUDA-graph runner then reuses its output sets instead of cloning them).
+    """
+    cols = torch.arange(history.shape[1], device=history.device)
+    return torch.where(cols[None, :] == index, token[:, None], history)
+
+
 def _axis(mesh: Mesh, name: str) -> str | None:
     return name if name in mesh.axis_names else None
 
@@ -96,7 +107,9 @@ class Generator:
             raise ValueError(f"prefill_len: expected <= max_seq ({max_seq}), got {prefill_len}")
         self.model, self.mesh = model, mesh
         self.max_batch, self.max_seq, self.prefill_len = max_batch, max_seq, prefill_len
-        self.options = options or CompileOptions()
+        # merge-dots concatenates the merged weights on every call until weight-only work is
+        # hoisted out of the step; for a weight-bound decode step that costs more than it saves
+        self.options = options or CompileOptions(merge_dots=False)
         cfg = model.config
         self.dp, tp = _axis(mesh, "dp"), _axis(mesh, "tp")
         tp_size = mesh.axis_size(tp) if tp else 1
@@ -130,23 +143,23 @@ class Generator:
         return self._programs[key]
 
     def _build(self, sampling: Sampling) -> tuple:
-        model = self.model
+        model, first = self.model, self.prefill_len - 1
 
-        def prefill(params, tokens, start, kv, rng):
+        def prefill(params, tokens, start, kv, rng, history):
             logits, kv = torch.func.functional_call(model, params, (tokens, 0, start, kv))
             token, rng = sample(logits, rng, sampling)
-            return token, kv, rng
+            return token, kv, rng, _record(history, token, 0)
 
-        def decode(params, token, slot, start, kv, rng):
+        def decode(params, token, slot, start, kv, rng, history):
             logits, kv = torch.func.functional_call(model, params, (token[:, None], slot, start, kv))
             token, rng = sample(logits, rng, sampling)
-            return token, slot + 1, kv, rng
+            return token, slot + 1, kv, rng, _record(history, token, slot - first)
 
         kv, b, b2, r = self._kv_specs(), self._batch, self._batch2, self._repl
-        pre = jit(prefill, mesh=self.mesh, in_shardings=(None, b2, b, kv, b2), out_shardings=(b, kv, b2),
-                  donate_argnums=(3, 4), options=self.options)
-        dec = jit(decode, mesh=self.mesh, in_shardings=(None, b, r, b, kv, b2), out_shardings=(b, r, kv, b2),
-                  donate_argnums=(4, 5), options=self.options)
+        pre = jit(prefill, mesh=self.mesh, in_shardings=(None, b2, b, kv, b2, b2), out_shardings=(b, kv, b2, b2),
+                  donate_argnums=(3, 4, 5), options=self.options)
+        dec = jit(decode, mesh=self.mesh, in_shardings=(None, b, r, b, kv, b2, b2), out_shardings=(b, r, kv, b2, b2),
+                  donate_argnums=(4, 5, 6), options=self.options)
         return pre, dec
 
     # ------------------------------------------------------------------ inputs
@@ -227,42 +240,38 @@ class Generator:
         prefill, decode = self.programs(sampling)
         tokens, start = self.pad_prompts(ids)
         rng = device_put(initial_rng_state(self.max_batch, self.model.config.vocab_size, sampling.seed), self._batch2)
+        history = device_put(torch.zeros(self.max_batch, self.max_seq - self.prefill_len + 1, dtype=torch.int64),
+                             self._batch2)
+        n = len(ids)
         t0 = time.perf_counter()
         tokens = device_put(tokens, self._batch2)
         start = device_put(start, self._batch)
-        token, self.kv, rng = prefill(self.params, tokens, start, self.kv, rng)
+        token, self.kv, rng, history = prefill(self.params, tokens, start, self.kv, rng, history)
         token.block_until_ready()
         ttft = time.perf_counter() - t0
         _TTFT.record(ttft)
-        out, fetched, lat = [token], [], []
+        fetched, lat, done = [], [], 0
         slot = device_put(torch.tensor(self.prefill_len, dtype=torch.int64), self._repl)
         t1 = time.perf_counter()
         for i in range(1, max_new_tokens):
             ts = time.perf_counter()
-            token, slot, self.kv, rng = decode(self.params, token, slot, start, self.kv, rng)
-            out.append(token)
+            token, slot, self.kv, rng, history = decode(self.params, token, slot, start, self.kv, rng, history)
             if timing:
                 token.block_until_ready()
                 lat.append(time.perf_counter() - ts)
                 _STEP.record(lat[-1])
-            if stream_every and on_tokens is not None and len(out) >= stream_every:
-                fetched.append(self._fetch(out, len(ids)))
+            if stream_every and on_tokens is not None and i + 1 - done >= stream_every:
+                fetched.append(history.to_torch()[:n, done:i + 1])
                 on_tokens(fetched[-1])
-                out = []
+                done = i + 1
             if progress is not None:
                 progress(i + 1)
-        tail = self._fetch(out, len(ids)) if out else None
+        final = history.to_torch()[:n, :max_new_tokens]
         decode_s = time.perf_counter() - t1
-        if tail is not None:
-            fetched.append(tail)
-            if stream_every and on_tokens is not None:
-                on_tokens(tail)
-        _TOKENS.inc(len(ids) * max_new_tokens)
-        return GenerationResult(torch.cat(fetched, dim=1), ttft, decode_s if max_new_tokens > 1 else 0.0, tuple(lat))
-
-    @staticmethod
-    def _fetch(tokens: list[ShardedArray], n: int) -> torch.Tensor:
-        return torch.stack([t.to_torch() for t in tokens], dim=1)[:n]
+        if stream_every and on_tokens is not None and done < max_new_tokens:
+            on_tokens(final[:, done:])
+        _TOKENS.inc(n * max_new_tokens)
+        return GenerationResult(final, ttft, decode_s if max_new_tokens > 1 else 0.0, tuple(lat))
 
     def kv_cache(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """The cache's global values (CPU tensors), one ``(k, v)`` pair per layer."""
