@@ -26,7 +26,8 @@ import torch.utils._pytree as pytree
 from spmd import metrics
 from spmd.array import ShardedArray, device_put
 from spmd.ir.hlo import Module
-from spmd.sharding import NamedSharding
+from spmd.ir.random import draw_key
+from spmd.sharding import NamedSharding, PartitionSpec
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -94,19 +95,23 @@ class Compiled:
         self._out_leaf = lowered.out_tree.is_leaf()
         self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
         self._run_for, self._run = None, None  # see _execute
+        # A program that draws random numbers takes a fresh key as its last input (spmd.ir.random).
+        self._rng_key_sharding = (NamedSharding(self.mesh, PartitionSpec())
+                                  if getattr(lowered.program, "rng_key_parameter", None) is not None else None)
 
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
 
-        The executable, buffers and output layout are shared; the argument
-        structure, names, donation and ``reshard_inputs`` come from ``lowered``.
-        Returns ``self`` when ``lowered`` is the one it was built from.
+        The executable and buffers are shared; the argument structure, names, donation,
+        ``reshard_inputs`` and the output shardings come from ``lowered`` (equal module texts
+        may name their shardings differently: ``P("tp", None)`` and ``P(None, "tp")`` over a
+        mesh axis of size 1 lay out alike). Returns ``self`` when ``lowered`` is the one it was
+        built from.
         """
         if lowered is self.lowered:
             return self
-        shapes = [shape for _, shape, _ in self._outputs]
-        dtypes = [dtype for _, _, dtype in self._outputs]
-        return Compiled(lowered, self.executable, self.output_shardings, shapes, dtypes, self.buffers)
+        shardings, shapes, dtypes = output_layout(lowered)
+        return Compiled(lowered, self.executable, shardings, shapes, dtypes, self.buffers)
 
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""
@@ -206,6 +211,10 @@ class Compiled:
         events = None
         if any(map(_READY, arrays)):
             events = [a._ready_events or self._no_events for a in arrays]
+        if self._rng_key_sharding is not None:
+            buffers.append(device_put(draw_key(), self._rng_key_sharding)._buffers)
+            if events is not None:
+                events.append(self._no_events)
         if self._donated:
             self._check_donation(args, arrays)
         ex = self.executable

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from spmd import metrics
 from spmd.array import ShardedArray
+from spmd.compile_lock import COMPILE_LOCK
 from spmd.compiled import Compiled, compile_module
 from spmd.mesh import Mesh
 from spmd.passes.pipeline import CompileOptions, type_name
@@ -111,6 +112,8 @@ class Jitted:
         self.reshard_inputs = reshard_inputs
         self._cache: dict[tuple, Compiled] = {}
         self._fast: tuple[int, Compiled] | None = None
+        self._specs: dict = {}  # arguments' pytree structure -> per-leaf NamedSharding or None
+        self._replicated = NamedSharding(mesh, PartitionSpec()) if isinstance(mesh, Mesh) else None
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     def __call__(self, *args, **kwargs):
@@ -126,12 +129,17 @@ class Jitted:
                     _HIT.inc()
                     return out
         leaves, tree = pytree.tree_flatten(args)
-        key = self._key(leaves, tree)
+        key = self._key(args, leaves, tree)
         compiled = self._cache.get(key)
         if compiled is None:
-            _MISS.inc()
-            compiled = self.lower(*args).compile()
-            self._cache[key] = compiled
+            with COMPILE_LOCK:  # single flight: a thread that waited finds the program compiled
+                compiled = self._cache.get(key)
+                if compiled is None:
+                    _MISS.inc()
+                    compiled = self.lower(*args).compile()
+                    self._cache[key] = compiled
+                else:
+                    _HIT.inc()
         else:
             _HIT.inc()
         template = _fast_template(args, leaves, compiled)
@@ -139,22 +147,48 @@ class Jitted:
             self._fast = (template, compiled)
         return compiled._call_flat(leaves)
 
-    def _key(self, leaves: list, tree) -> tuple:
+    def _key(self, args: tuple, leaves: list, tree) -> tuple:
+        """The per-``Jitted`` cache key: structure, then per leaf its shape, dtype and sharding: an
+        array's own, a tensor's from ``in_shardings`` (replicated by default), so a ``torch.Tensor``
+        and a ``ShardedArray`` laid out alike share a key."""
+        specs = self._entry_shardings(args, tree)
         parts: list = [tree]
-        for leaf in leaves:
+        for leaf, spec in zip(leaves, specs):
             if isinstance(leaf, ShardedArray):
                 parts.append((tuple(leaf.shape), leaf.dtype, leaf.sharding))
             elif isinstance(leaf, torch.Tensor):
-                parts.append((tuple(leaf.shape), leaf.dtype))
+                parts.append((tuple(leaf.shape), leaf.dtype, spec or self._replicated))
             else:
                 parts.append(("static", type(leaf), _hashable_static(leaf)))
         return tuple(parts)
 
+    def _entry_shardings(self, args: tuple, tree) -> list:
+        """Per flat leaf, the ``NamedSharding`` of ``in_shardings`` for it (or None); cached per structure.
+
+        When ``in_shardings`` does not fit the arguments, every entry is None (lowering then raises
+        the error naming the argument).
+        """
+        specs = self._specs.get(tree)
+        if specs is None:
+            from spmd.lowering import leaf_specs
+
+            try:
+                specs = [_as_named(s, self.mesh, "in_shardings") for s in leaf_specs(self.in_shardings, args,
+                                                                                       "in_shardings")]
+            except (TypeError, ValueError):
+                specs = [None] * tree.num_leaves
+            self._specs[tree] = specs
+        return specs
+
     def lower(self, *args) -> Lowered:
-        """Import and run the compiler pipeline for these arguments (no execution)."""
+        """Import and run the compiler pipeline for these arguments (no execution).
+
+        Thread-safe: traces run one at a time in the process (``spmd.compile_lock``).
+        """
         from spmd.lowering import lower_function
 
-        return lower_function(self, args)
+        with COMPILE_LOCK:
+            return lower_function(self, args)
 
 
 def _hashable_static(leaf):
@@ -200,16 +234,20 @@ class Lowered:
             raise ValueError(f"unknown stage {stage!r}; expected one of {list(self.result.stage_text)}") from None
 
     def compile(self) -> Compiled:
-        """Build (or fetch from the process-wide cache) the executable."""
-        hit = _GLOBAL_CACHE.get(self.cache_key)
-        if hit is not None:
-            metrics.counter("compile_cache.global_hit").inc()
-            return hit.rebind(self)
-        start = time.perf_counter()
-        compiled = compile_module(self)
-        metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
-        _GLOBAL_CACHE[self.cache_key] = compiled
-        return compiled
+        """Build (or fetch from the process-wide cache) the executable.
+
+        Thread-safe: one thread compiles a module, others wait and share it (``spmd.compile_lock``).
+        """
+        with COMPILE_LOCK:
+            hit = _GLOBAL_CACHE.get(self.cache_key)
+            if hit is not None:
+                metrics.counter("compile_cache.global_hit").inc()
+                return hit.rebind(self)
+            start = time.perf_counter()
+            compiled = compile_module(self)
+            metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
+            _GLOBAL_CACHE[self.cache_key] = compiled
+            return compiled
 
     @property
     def result_time_s(self) -> float:

@@ -10,7 +10,8 @@ one dot or one custom call); only when it holds ops without a converter is it ru
 Entry parameters are numbered: the user's tensor inputs (flattened ``(args, kwargs)``), then,
 for an nn.Module, its parameters and buffers by fully qualified name. Tensor constants
 captured by the program become ``constant`` instructions. Shapes are global; no shardings
-and an empty mesh.
+and an empty mesh. An input updated in place must also be returned (the program is functional:
+``spmd.frontend.mutations``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+import spmd.frontend.aten_conv_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_random_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_sort_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_update_ops  # noqa: F401  (registers converters)
 from spmd.frontend.aten_common import ATEN_OPS, Missing, UnsupportedOpError, bind_args
+from spmd.frontend.aten_random_ops import rng_key_parameter
 from spmd.frontend.emitter import Emitter, dtype_of
+from spmd.frontend.mutations import data_dependent_hint, user_output_nodes
 from spmd.ir.hlo import Computation, Instruction, Module, Shape, SourceLocation
 
 __all__ = ["ImportedProgram", "UnsupportedOpError", "import_program", "export_program"]
@@ -51,6 +60,9 @@ class ImportedProgram:
       user_leaf_indices: for each user tensor parameter, its index among the flattened leaves
         of ``(args, kwargs)`` (non-tensor leaves are baked into the program).
       out_tree: pytree spec to unflatten the outputs (the root's elements when it is a tuple).
+      rng_key_parameter: parameter_number of the ``s64[2]`` random key (``rng_key``, the last
+        parameter, not in input_names) when the program draws random numbers, else None; the
+        caller passes a fresh ``spmd.ir.random.draw_key()`` there (``spmd.frontend.aten_random_ops``).
     """
 
     module: Module
@@ -60,6 +72,7 @@ class ImportedProgram:
     in_tree: Any
     user_leaf_indices: tuple[int, ...]
     out_tree: Any
+    rng_key_parameter: int | None = None
 
     @property
     def num_user_inputs(self) -> int:
@@ -94,9 +107,23 @@ def _traceable(fn):
 
 
 def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
-    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed."""
+    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed.
+
+    Thread-safe: export uses process-global dispatch modes, so traces run one at a time
+    (``spmd.compile_lock``).
+    """
+    from spmd.compile_lock import COMPILE_LOCK
+
+    with COMPILE_LOCK:
+        return _export(fn_or_module, args, kwargs)
+
+
+def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
     mod = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else _FnModule(fn_or_module)
-    ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
+    try:
+        ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
+    except GuardOnDataDependentSymNode as e:
+        raise ValueError(f"{data_dependent_hint()}: {str(e).strip().splitlines()[0]}") from e
     if any(n.op == "call_function" and n.target not in ATEN_OPS for n in ep.graph.nodes):
         table = torch.export.default_decompositions()
         for op in ATEN_OPS:
@@ -233,6 +260,7 @@ def _convert(ep: ExportedProgram, name: str) -> ImportedProgram:
         elif node.op != "placeholder":
             loc = location_of(node)
             raise UnsupportedOpError(f"unsupported graph node {node.op} {node.target} at {_where(loc)}")
+    rng = rng_key_parameter(em)
     entry = Computation("main", em.instructions, root)
     entry.remove_dead()
     used = {id(i.attrs["to_apply"]) for i in entry.instructions if "to_apply" in i.attrs}
@@ -246,19 +274,16 @@ def _convert(ep: ExportedProgram, name: str) -> ImportedProgram:
         in_tree=ep.call_spec.in_spec,
         user_leaf_indices=_user_leaf_indices(ep, names, len(params)),
         out_tree=ep.call_spec.out_spec,
+        rng_key_parameter=None if rng is None else rng.attrs["parameter_number"],
     )
 
 
 def _root(ep: ExportedProgram, em: Emitter, node: torch.fx.Node, env: dict) -> Instruction:
-    specs = ep.graph_signature.output_specs
-    bad = [s for s in specs if s.kind != OutputKind.USER_OUTPUT]
-    if bad:
-        raise UnsupportedOpError(f"unsupported program output {bad[0].arg} of kind {bad[0].kind.name} "
-                                 "(in-place updates of buffers or inputs)")
+    user = user_output_nodes(ep, node, lambda n: _where(location_of(n)))
     em.location = SourceLocation(op_name="output")
     em.base_name = "output"
     outs = []
-    for x in node.args[0]:
+    for x in user:
         if not isinstance(x, torch.fx.Node):
             raise UnsupportedOpError(f"unsupported non-tensor program output {x!r}")
         outs.append(_lookup(env, em.location)(x))
