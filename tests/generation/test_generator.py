@@ -124,3 +124,9 @@ def test_bad_construction(model):
         Generator(model, mesh, max_batch=0, max_seq=8, prefill_len=4)
     with pytest.raises(TypeError, match="model"):
         Generator(torch.nn.Linear(2, 2), mesh, max_batch=1, max_seq=8, prefill_len=4)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0, top_k=5, seed=1), Sampling(temperature=1.0, top_p=0.9)])
+def test_top_k_and_top_p_equal_eager(model, sampling):
+    gen = Generator(model, _mesh(("tp",), 2), max_batch=4, max_seq=MAX_SEQ, prefill_len=PREFILL)
+    _check_against_eager(model, gen, PROMPTS4, sampling)
