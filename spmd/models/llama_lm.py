@@ -150,10 +150,10 @@ class LlamaForCausalLM(nn.Module):
       start: int64 [B], the first cache slot of each sequence (its left-padding length).
       kv: tuple of ``(k, v)`` per layer, each [B, num_kv_heads, max_seq, head_dim] in the model dtype.
       logits: float32 [B, vocab] of the last token; kv: the updated cache (same structure).
-    ``cache_update`` ("index" or "mask", see ``write_cache``) picks how the decode step writes.
+    ``cache_update`` ("index", "mask" or "inplace", see ``write_cache``) picks how the cache is written.
     """
 
-    def __init__(self, cfg: LlamaLMConfig, cache_update: str = "mask") -> None:
+    def __init__(self, cfg: LlamaLMConfig, cache_update: str = "index") -> None:
         super().__init__()
         if cache_update not in CACHE_UPDATES:
             raise ValueError(f"cache_update: expected one of {CACHE_UPDATES}, got {cache_update!r}")
@@ -199,7 +199,7 @@ def llama_lm(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
-    cache_update: str = "mask",
+    cache_update: str = "index",
     **overrides,
 ) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` with seeded random weights at a published shape, in eval mode.
@@ -209,7 +209,8 @@ def llama_lm(
       layers: number of decoder layers (default: the preset's 32).
       small: a tiny shape (hidden 64, 4 heads, 2 KV heads, FFN 160, vocab 256) that runs on CPU.
       dtype, device: of the parameters (``device="meta"``: shapes only). seed: of the weights.
-      cache_update: "mask" or "index" (see ``write_cache``). overrides: any ``LlamaLMConfig`` field.
+      cache_update: "index" (default), "mask" or "inplace" (see ``write_cache``).
+      overrides: any ``LlamaLMConfig`` field.
     Raises:
       ValueError: unknown preset, invalid sizes. TypeError: unknown override name.
     """
