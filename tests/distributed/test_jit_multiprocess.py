@@ -1,0 +1,25 @@
+"""``spmd.jit`` on a global mesh over gloo processes equals the single-process run.
+
+Layouts: 2 processes x 2 virtual devices (dp across processes, tp inside), 4 processes x 1
+device (every axis across processes), and 2 simulated hosts x 2 processes launched by torchrun
+(auto-initialised from its environment; an all-reduce over 4 ranks runs hierarchically).
+"""
+
+from __future__ import annotations
+
+import pytest
+from launch import spawn
+from workers import held_worker
+
+
+def test_two_processes_of_two_devices():
+    spawn(held_worker, 2, {"dp": 2, "tp": 2}, 2, True)
+
+
+def test_four_processes_of_one_device():
+    spawn(held_worker, 4, {"dp": 2, "tp": 2}, 1, False)
+
+
+@pytest.mark.slow
+def test_four_processes_of_one_device_reshard_pairs():
+    spawn(held_worker, 4, {"dp": 2, "tp": 2}, 1, True)
