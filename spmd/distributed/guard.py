@@ -61,6 +61,6 @@ def guarded(comm: Any, op: str, ranks: tuple[int, ...]):
         who = f"{fmt_ranks(gone)} did not arrive" if gone else f"{fmt_ranks(ranks)} failed together"
         cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DistributedTimeoutError(
-            f"{op} (collective #{comm.calls}) of program {comm.program!r}: {who} within the {state.info.timeout_s:g} s "
-            f"bound (rank {state.info.rank} waited, participants {list(ranks)}; cause: {cause})",
+            f"{op} (collective #{comm.calls}) of program {comm.program!r}: {who} (bound {state.info.timeout_s:g} s; "
+            f"rank {state.info.rank} waited, participants {list(ranks)}; cause: {cause})",
             op=op, program=comm.program, missing_ranks=tuple(gone)) from e

@@ -8,7 +8,7 @@ device (every axis across processes), and 2 simulated hosts x 2 processes launch
 from __future__ import annotations
 
 import pytest
-from launch import spawn
+from launch import spawn, torchrun
 from workers import held_worker
 
 
@@ -23,3 +23,11 @@ def test_four_processes_of_one_device():
 @pytest.mark.slow
 def test_four_processes_of_one_device_reshard_pairs():
     spawn(held_worker, 4, {"dp": 2, "tp": 2}, 1, True)
+
+
+def test_two_hosts_of_two_processes_under_torchrun():
+    """torchrun --nnodes 2 --nproc-per-node 2 on localhost: node ranks 0 and 1 play two hosts."""
+    runs = torchrun(2, 2, ["tests/distributed/torchrun_main.py", "dp=2,tp=2", "1", "mlp,sum-all,reduce-scatter"])
+    for node, run in enumerate(runs):
+        assert run.returncode == 0, f"node {node}:\n{run.stdout}\n{run.stderr[-4000:]}"
+    assert "ok 4 processes, nodes 2" in runs[0].stdout, runs[0].stdout
