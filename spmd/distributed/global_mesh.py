@@ -9,6 +9,7 @@ counts through the store (a bounded exchange), so a mismatch is an error naming 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +36,8 @@ def create_global(state: _State, names: tuple[str, ...], sizes: tuple[int, ...] 
     per_process = needed // world if needed is not None and needed % world == 0 else None
     _check_local_list(devices, info.rank)
     platform, ids = _parse_devices(devices, per_process if per_process else 1)
+    if platform == "cuda":
+        ids = _own_gpus(devices, ids)
     seq = state.next_id("mesh")
     views = all_gather_str(state, f"mesh/{seq}", f"{platform}:{len(ids)}", "Mesh.create")
     if len(set(views)) != 1:
@@ -68,3 +71,25 @@ def _check_local_list(devices, rank: int) -> None:
             raise ValueError(f"devices: cuda:{index} is not a device of this process (rank {rank} has {present} "
                              f"GPUs); in a multi-process run devices= names each process's local devices and the "
                              f"mesh orders them by (rank, local device)")
+
+
+def _own_gpus(devices, ids: tuple[int, ...]) -> tuple[int, ...]:
+    """This process's share of the host's GPUs for ``"cuda"`` / ``"cuda:N"`` when several processes share a host.
+
+    torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` split the GPUs: ``"cuda"`` takes GPUs
+    ``[LOCAL_RANK * k, (LOCAL_RANK + 1) * k)`` with ``k = GPUs // LOCAL_WORLD_SIZE``; ``"cuda:N"``
+    takes ``N`` GPUs from ``LOCAL_RANK * N``. An explicit list is used as given. The first one becomes
+    the current CUDA device (NCCL's device for this process). Raises ValueError when the host has too few.
+    """
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if isinstance(devices, str) and local_world > 1:
+        present = torch.cuda.device_count()
+        k = present // local_world if devices == "cuda" else len(ids)
+        if k < 1 or (local_rank + 1) * k > present:
+            raise ValueError(f"devices: {devices!r} for local rank {local_rank} of {local_world} processes on this "
+                             f"host needs GPUs {local_rank * max(k, 1)}..{(local_rank + 1) * max(k, 1) - 1}, but "
+                             f"{present} are present")
+        ids = tuple(range(local_rank * k, (local_rank + 1) * k))
+    torch.cuda.set_device(ids[0])
+    return ids

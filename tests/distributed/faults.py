@@ -30,19 +30,6 @@ def _catch(fn) -> str:
     return "no error"
 
 
-def mismatch_worker(rank: int, world: int, init_method: str, out: str) -> None:
-    """Rank 1 compiles the MLP for a batch of 6 instead of 8: every rank gets ProgramMismatchError."""
-    init(rank, world, init_method, timeout_s=60)
-    try:
-        mesh = Mesh.create({"dp": world}, devices="cpu:1")
-        batch = 6 if rank == 1 else 8
-        x, w1, w2 = torch.randn(batch, 16), torch.randn(16, 32), torch.randn(32, 16)
-        f = spmd.jit(mlp, mesh=mesh, in_shardings=(P("dp"), P(), P()), out_shardings=P("dp"))
-        _write(out, rank, _catch(lambda: f(x, w1, w2)))
-    finally:
-        spmd.distributed.shutdown()
-
-
 def dying_worker(rank: int, world: int, init_method: str, out: str, timeout_s: float, hang: bool = False) -> None:
     """After one good step, rank 1 exits (or, with ``hang``, stops) inside the second collective of the next step."""
     init(rank, world, init_method, timeout_s=timeout_s)
@@ -72,7 +59,8 @@ def dying_worker(rank: int, world: int, init_method: str, out: str, timeout_s: f
 
 
 def bad_input_worker(rank: int, world: int, init_method: str, out: str) -> None:
-    """Each bad input raises a clear error on every rank, naming the argument and ranks."""
+    """Each bad input raises a clear error on every rank, naming the argument and ranks; then rank 1
+    compiles the MLP for a batch of 6 instead of 8: every rank gets ProgramMismatchError."""
     init(rank, world, init_method, timeout_s=60)
     try:
         lines = [
@@ -87,6 +75,10 @@ def bad_input_worker(rank: int, world: int, init_method: str, out: str) -> None:
         local = torch.randn(4 + rank, 4)
         lines.append("local_data: " + _catch(lambda: spmd.distributed.make_array_from_process_local_data(
             NamedSharding(mesh, P("dp")), local)))
+        batch = 6 if rank == 1 else 8
+        x, w1, w2 = torch.randn(batch, 16), torch.randn(16, 32), torch.randn(32, 16)
+        f = spmd.jit(mlp, mesh=mesh, in_shardings=(P("dp"), P(), P()), out_shardings=P("dp"))
+        lines.append("mismatch: " + _catch(lambda: f(x, w1, w2)))
         _write(out, rank, "\n".join(lines))
     finally:
         spmd.distributed.shutdown()

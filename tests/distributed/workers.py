@@ -80,6 +80,8 @@ def cases():
         ("uneven", uneven, (_rand(7, 10, seed=12), _rand(10, 5, seed=13)), (P("dp", "tp"), P("tp")), P(), None),
         ("reduce-scatter", matmul, (_rand(8, 16, seed=16), _rand(16, 12, seed=17)),
          (P(None, ("dp", "tp")), P(("dp", "tp"), None)), P(("dp", "tp")), None),
+        ("reduce-scatter-tp", matmul, (_rand(8, 16, seed=19), _rand(16, 12, seed=22)),
+         (P("dp", "tp"), P("tp", None)), P("dp", "tp"), None),
         ("sum-all", lambda x: x.sum(0), (_rand(8, 6, seed=18),), (P(("dp", "tp")),), P(), None),
         ("windowed", matmul, (_rand(16, 32, seed=14), _rand(32, 24, seed=15)), (P(("dp", "tp")), P(None, "tp")),
          P(None, "tp"), CompileOptions(windowed_einsum="on")),
@@ -87,7 +89,8 @@ def cases():
 
 
 def check_programs(mesh: Mesh, names=None) -> None:
-    """Every held program on ``mesh`` equals the single-process run (checked on rank 0) and eager float64."""
+    """Every held program on ``mesh`` equals the single-process run (checked on rank 0: bit for bit in the
+    default ``gather`` reduce mode, to rounding in ``reduce`` mode) and eager float64."""
     ref_mesh = local_mesh(dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)))
     for name, fn, args, ins, out, options in cases():
         if names is not None and name not in names:
@@ -96,7 +99,8 @@ def check_programs(mesh: Mesh, names=None) -> None:
         full = spmd.distributed.process_allgather(got)
         if spmd.distributed.process_index() == 0:
             want = spmd.jit(fn, mesh=ref_mesh, in_shardings=ins, out_shardings=out, options=options)(*args)
-            torch.testing.assert_close(full, want.to_torch(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            tol = TOL if os.environ.get("SPMD_DISTRIBUTED_REDUCE") == "reduce" else {"rtol": 0, "atol": 0}
+            torch.testing.assert_close(full, want.to_torch(), **tol, msg=lambda m, n=name: f"{n}: {m}")
         eager = fn(*(a.double() for a in args)).float()
         torch.testing.assert_close(full, eager, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n} vs eager: {m}")
 
@@ -147,8 +151,11 @@ def check_builders(mesh: Mesh, block_rows: tuple[int, int]) -> None:
 
 
 def held_worker(rank: int, world: int, init_method: str | None, axes: dict, per: int, full: bool,
-                node_size: int = 0, names=None) -> None:
-    """The held jit tests on ``Mesh.create(axes, devices=f"cpu:{per}")``; ``full`` adds reshard pairs and builders."""
+                node_size: int = 0, names=None, reduce: str | None = None) -> None:
+    """The held jit tests on ``Mesh.create(axes, devices=f"cpu:{per}")``; ``full`` adds reshard pairs and builders;
+    ``reduce`` sets ``SPMD_DISTRIBUTED_REDUCE``."""
+    if reduce:
+        os.environ["SPMD_DISTRIBUTED_REDUCE"] = reduce
     init(rank, world, init_method, node=rank // node_size if node_size else None)
     try:
         mesh = Mesh.create(axes, devices=f"cpu:{per}")

@@ -6,8 +6,10 @@ collective:
 - replica groups whose members are all local run on the local communicator (the virtual-CPU or
   CUDA peer-copy/NCCL paths), with partition ids renumbered to local indices;
 - groups spanning processes are bucketed by the set of processes they touch (groups of one bucket
-  run as one stacked ``torch.distributed`` call). all-reduce / reduce-scatter first reduce the
-  local members, then reduce across processes: on one host one all-reduce (or
+  run as one stacked ``torch.distributed`` call). all-reduce / reduce-scatter in ``gather`` mode
+  (the default on the CPU, see ``reduce_mode``) all-gather the operands and add them in group
+  order, bit-identical to one process; in ``reduce`` mode (the default on CUDA) they first reduce
+  the local members, then reduce across processes: on one host one all-reduce (or
   ``reduce_scatter_tensor`` into a preallocated buffer when each process holds one member in group
   order), across hosts hierarchically — intra-host all-reduce then inter-host all-reduce between
   processes of equal intra-host index (the 2-D all-reduce of Horovod / NCCL's tree-ring split).
@@ -27,6 +29,7 @@ local device. Every cross-process call is bounded by the run's timeout; a failur
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +44,7 @@ from spmd.runtime.thunks import CollectiveSpec
 Tensor = torch.Tensor
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor). is deprecated",
                         category=FutureWarning)
+REDUCE_ENV = "SPMD_DISTRIBUTED_REDUCE"
 _OPS = {"add": dist.ReduceOp.SUM, "multiply": dist.ReduceOp.PRODUCT,
         "maximum": dist.ReduceOp.MAX, "minimum": dist.ReduceOp.MIN}
 
@@ -63,6 +67,7 @@ class MultiProcessCommunicator:
         self.local, self.state, self.program = local, state, "?"
         self.rank = state.info.rank
         self.comm_id = state.next_id("comm")
+        self.reduce_mode = reduce_mode(local_is_cuda=bool(getattr(local, "devices", None)))
         self.calls = -1  # index of the running collective (the same on every rank: one program everywhere)
 
     def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
@@ -109,6 +114,11 @@ class MultiProcessCommunicator:
         return x[0].device
 
     def _reduce(self, spec, x, out, procs, groups) -> None:
+        if self.reduce_mode == "gather":
+            for g, members in zip(groups, self._collect(x, procs, groups), strict=True):
+                total = reduce_stack(members, spec.reduce_op)
+                self._deliver(spec, x, out, g, total)
+            return
         lead = self._lead(x)
         parts = [reduce_stack([x[self.local_index[p]].to(lead) for p in g if p in self.local_index], spec.reduce_op)
                  for g in groups]
@@ -122,17 +132,20 @@ class MultiProcessCommunicator:
             return
         self._all_reduce(spec, stacked, procs)
         for b, g in enumerate(groups):
-            total = stacked[b]
-            for j, p in enumerate(g):
-                k = self.local_index.get(p)
-                if k is None:
-                    continue
-                if spec.kind == "reduce-scatter":
-                    start, size = chunk_index(tuple(total.shape), spec.dim, len(g), j)
-                    piece = total.narrow(spec.dim, start, size)
-                else:
-                    piece = total
-                out[k] = piece.to(x[k].device, copy=True, memory_format=torch.contiguous_format)
+            self._deliver(spec, x, out, g, stacked[b])
+
+    def _deliver(self, spec, x, out, g, total: Tensor) -> None:
+        """Give each local member of ``g`` the reduced ``total`` (all-reduce) or its chunk (reduce-scatter)."""
+        for j, p in enumerate(g):
+            k = self.local_index.get(p)
+            if k is None:
+                continue
+            if spec.kind == "reduce-scatter":
+                start, size = chunk_index(tuple(total.shape), spec.dim, len(g), j)
+                piece = total.narrow(spec.dim, start, size)
+            else:
+                piece = total
+            out[k] = piece.to(x[k].device, copy=True, memory_format=torch.contiguous_format)
 
     def _scatter_layout(self, spec, procs, groups) -> bool | None:
         """True when a reduce-scatter can be one ``reduce_scatter_tensor``: one member per process, in rank order."""
@@ -166,6 +179,15 @@ class MultiProcessCommunicator:
             dist.all_reduce(stacked, op=op, group=subgroup(self.state, inter))
 
     def _gather(self, spec, x, out, procs, groups) -> None:
+        for g, members in zip(groups, self._collect(x, procs, groups), strict=True):
+            total = torch.cat(members, dim=spec.dim)
+            for p in g:
+                k = self.local_index.get(p)
+                if k is not None:
+                    out[k] = total.to(x[k].device, copy=True)
+
+    def _collect(self, x, procs, groups) -> list[list[Tensor]]:
+        """Per group, every member's operand in group order (one ``all_gather_into_tensor`` per bucket)."""
         lead = self._lead(x)
         members = [{r: [p for p in g if self.proc[p] == r] for r in procs} for g in groups]
         width = max(len(m) for mg in members for m in mg.values())
@@ -179,13 +201,8 @@ class MultiProcessCommunicator:
             dist.all_gather_into_tensor(flat, mine, group=subgroup(self.state, procs))
         everyone = flat.view(len(procs), *mine.shape)
         where = {r: i for i, r in enumerate(procs)}
-        for b, (g, mg) in enumerate(zip(groups, members, strict=True)):
-            pieces = [everyone[where[self.proc[p]], b, mg[self.proc[p]].index(p)] for p in g]
-            total = torch.cat(pieces, dim=spec.dim)
-            for p in g:
-                k = self.local_index.get(p)
-                if k is not None:
-                    out[k] = total.to(x[k].device, copy=True)
+        return [[everyone[where[self.proc[p]], b, mg[self.proc[p]].index(p)] for p in g]
+                for b, (g, mg) in enumerate(zip(groups, members, strict=True))]
 
     # ------------------------------------------------------- point to point
     def _point_to_point(self, spec, x, out) -> None:
@@ -221,6 +238,22 @@ class MultiProcessCommunicator:
                 out[k] = pieces[0][1].to(x[k].device, copy=True)
             else:
                 out[k] = torch.cat([t.to(x[k].device) for _, t in pieces], dim=spec.concat_dim)
+
+
+def reduce_mode(local_is_cuda: bool) -> str:
+    """``$SPMD_DISTRIBUTED_REDUCE``: ``"gather"`` or ``"reduce"``; default ``"reduce"`` on CUDA, else ``"gather"``.
+
+    ``gather``: all-reduce / reduce-scatter across processes all-gather the operands and add them in
+    replica-group order, as the single-process runtime does: results are bit-identical to one
+    process (n times the bytes of a ring; the right trade for the CPU and small groups).
+    ``reduce``: reduce the local members, then ``torch.distributed`` reductions (hierarchical
+    across hosts): bandwidth-optimal, results equal up to summation order.
+    Raises ValueError for another value.
+    """
+    raw = os.environ.get(REDUCE_ENV, "")
+    if raw and raw not in ("gather", "reduce"):
+        raise ValueError(f"{REDUCE_ENV}: expected 'gather' or 'reduce', got {raw!r}")
+    return raw or ("reduce" if local_is_cuda else "gather")
 
 
 def _moves(spec: CollectiveSpec, dims: tuple[int, ...]) -> list[tuple[int, int, tuple, tuple]]:
