@@ -36,14 +36,16 @@ if __package__ in (None, ""):
 from benchmarks import common, harness, reporting
 
 WORKLOAD_NAMES = ("add", "mlp", "block", "minilm")
-SOURCES = {"torch-eager": "torch eager (1 GPU)", "spmd-eager": "spmd eager", "spmd-graphs": "spmd graphs",
-           "spmd-graphs-1gpu": "spmd graphs (1 GPU)", "jax": "JAX jit"}
+SOURCES = {"torch-eager": "torch eager (1 GPU)", "torch-compile": "torch.compile (1 GPU)",
+           "torch-compile-ro": "torch.compile reduce-overhead (1 GPU)", "spmd-eager": "spmd eager",
+           "spmd-graphs": "spmd graphs", "spmd-graphs-1gpu": "spmd graphs (1 GPU)", "jax": "JAX jit"}
 #: --matmul-precision -> (torch.set_float32_matmul_precision, jax_default_matmul_precision): same math
 #: on both sides (torch's default is full float32; JAX's default on these GPUs is TF32).
 PRECISIONS = {"highest": ("highest", "float32"), "high": ("high", "tensorfloat32")}
 SHARES = {"torch-eager": 0.25, "spmd": 0.6, "jax": 1.0}
 #: Table sources (columns) that each child measures; spmd-graphs-1gpu only when its records exist.
-CHILD_SOURCES = {"torch-eager": ("torch-eager",), "spmd": ("spmd-eager", "spmd-graphs"), "jax": ("jax",)}
+CHILD_SOURCES = {"torch-eager": ("torch-eager", "torch-compile", "torch-compile-ro"),
+                 "spmd": ("spmd-eager", "spmd-graphs"), "jax": ("jax",)}
 STARTUP_S = 20.0
 
 
@@ -262,8 +264,9 @@ def report(records: list[dict], status: list[dict], args: argparse.Namespace, in
     lines = [f"float32 GEMMs at matmul precision {args.matmul_precision!r} in every column "
              f"(torch {PRECISIONS[args.matmul_precision][0]!r}, JAX {PRECISIONS[args.matmul_precision][1]!r})"]
     lines += harness.child_failure_notes(status)
+    errs = ("rel_err", "rel_err_vs_f32", "rel_err_vs_eager")
     lines += [_note(r) for r in records if r.get("kind") == "dispatch"
-              and (r.get("error") or r.get("rel_err") is not None or r.get("rel_err_vs_f32") is not None)]
+              and (r.get("error") or any(r.get(k) is not None for k in errs))]
     lines += [_kernel_note(r) for r in records if r.get("kind") == "kernels"]
     for line in lines:
         print("  " + line)
@@ -292,6 +295,8 @@ def _kernel_note(r: dict[str, Any]) -> str:
 def _note(r: dict[str, Any]) -> str:
     if r.get("error"):
         return f"{r['source']}/{r['workload']}: n/a: {r['error'][:200]}"
+    if r.get("rel_err_vs_eager") is not None:
+        return f"{r['source']}/{r['workload']}: rel. distance to torch eager's result {r['rel_err_vs_eager']:.1e}"
     if r.get("rel_err") is None:
         line = f"{r['source']}/{r['workload']}: rel. distance to its own full-float32 result {r['rel_err_vs_f32']:.1e}"
         if r.get("rel_err_vs_torch") is not None:

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-_MATMUL = re.compile(r"gemm|sgemm|xmma|cutlass|splitKreduce|fmha|flash|attention|cublas", re.IGNORECASE)
+_MATMUL = re.compile(r"gemm|sgemm|xmma|nvjet|cutlass|splitKreduce|fmha|flash|attention|cublas", re.IGNORECASE)
 #: NCCL kernels, peer copies, and XLA's own collective kernels (``all_reduce_1_0_fusion_1``, ...).
 _COLLECTIVE = re.compile(r"nccl|PtoP|all[_-]?reduce|all[_-]?gather|reduce[_-]?scatter|collective[_-]?permute",
                          re.IGNORECASE)

@@ -2,7 +2,7 @@
 # The one script that runs spmd's GPU tests and benchmarks on a lent GPU machine.
 #
 # Usage (from anywhere; it cds to the repository root):
-#   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | cm | dispatch | all (default: all)
+#   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | cm | dispatch | onegpu | all (default: all)
 # Environment knobs:
 #   OUT=dir          where logs/results go (default /tmp/spmd_bench_out); at most 6 files are written there:
 #                    run.log, gpu_tests.log, cm_results.json, benchmarks_collective_matmul.png,
@@ -11,6 +11,7 @@
 #   TP=N             GPUs to use (default: all visible)
 #   CM_ARGS=...      extra options for benchmarks/collective_matmul.py (e.g. "--shapes 4096,4096,4096")
 #   DISPATCH_ARGS=.. extra options for benchmarks/dispatch.py
+#   ONE_GPU_ARGS=..  extra options for benchmarks/one_gpu.py (e.g. "--rows llama2-2l-bf16-1x1")
 #   PYTEST_ARGS=...  extra options for pytest (e.g. "-k windowed")
 #   INSTALL=1        `pip install --no-deps --no-build-isolation -e .` first (default: PYTHONPATH only)
 # Every stage runs under `timeout`; a failing stage is logged and the next one still runs.
@@ -38,13 +39,13 @@ stages=("$@")
 selected=()
 for s in "${stages[@]}"; do
   case "$s" in
-    all) selected+=(tests cm dispatch) ;;
-    env|tests|cm|dispatch) selected+=("$s") ;;
-    *) echo "unknown stage '$s': expected env, tests, cm, dispatch or all"; exit 2 ;;
+    all) selected+=(tests cm dispatch onegpu) ;;
+    env|tests|cm|dispatch|onegpu) selected+=("$s") ;;
+    *) echo "unknown stage '$s': expected env, tests, cm, dispatch, onegpu or all"; exit 2 ;;
   esac
 done
 
-declare -A WEIGHT=([tests]=2 [cm]=6 [dispatch]=2)
+declare -A WEIGHT=([tests]=2 [cm]=6 [dispatch]=2 [onegpu]=4)
 declare -A RESULT=()
 START=$SECONDS
 
@@ -111,6 +112,9 @@ for s in "${selected[@]}"; do
     # shellcheck disable=SC2086
     dispatch) run_stage dispatch "$secs" python3 -m benchmarks.dispatch "${TP_ARG[@]}" --out "$OUT" \
           --doc docs/benchmarks.md --budget-s $(( secs - 10 )) ${DISPATCH_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    onegpu) run_stage onegpu "$secs" python3 -m benchmarks.one_gpu --out "$OUT" --doc docs/benchmarks.md \
+          ${ONE_GPU_ARGS:-} ;;
   esac
 done
 

@@ -101,6 +101,7 @@ class ModelCase:
     attention_mask: torch.Tensor
     param_specs: dict[str, Any] | None
     real_weights: bool
+    module: Any = None  # the nn.Module itself (``fn`` calls it with ``params``)
 
 
 def minilm_case(device: Any, seed: int, batch: int = 8, seq: int = 128, mesh: Any = None) -> ModelCase:
@@ -135,4 +136,4 @@ def minilm_case(device: Any, seed: int, batch: int = 8, seq: int = 128, mesh: An
         from spmd.models.plans import bert_plan, resolve_plan
 
         specs = resolve_plan(model, mesh, bert_plan("tp"))
-    return ModelCase(fn, params, ids, mask, specs, real)
+    return ModelCase(fn, params, ids, mask, specs, real, model)

@@ -170,3 +170,81 @@ def test_gpu_donated_buffers_are_reused():
     out = f(xa, spmd.device_put(y, NamedSharding(mesh, P("x"))))
     assert _ptrs(out) == ptrs and xa.is_deleted
     torch.testing.assert_close(out.to_torch(), _update(x, y))
+
+
+# Donation is a permission, never a change of the result: a donated buffer receives an output
+# only of exactly its shard shape and dtype, once nothing else reads it (regressions of issue 20).
+
+MESHES = {"cpu1": Mesh.create(("tp",), devices="cpu:1"), "cpu2": Mesh.create(("tp",), devices="cpu:2"),
+          "cpu4": MESH, "2d": MESH2D}
+
+
+def _check_donating_call(fn, args, in_specs, out_spec, donate, mesh):
+    """Run ``fn`` jitted with ``donate`` on fresh arrays; compare with eager (float64 reference)."""
+    f = spmd.jit(fn, mesh=mesh, in_shardings=in_specs, out_shardings=out_spec, donate_argnums=donate)
+    expected = fn(*args)
+    reference = fn(*[a.double() for a in args])
+    arrays = [_put(a, s, mesh) for a, s in zip(args, in_specs)]
+    donated_ptrs = {p for i in donate for p in _ptrs(arrays[i])}
+    out = f(*arrays)
+    got = out.to_torch()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.double(), reference, atol=1e-5, rtol=1e-5)
+    assert all(arrays[i].is_deleted for i in donate)
+    return out, donated_ptrs
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_an_unread_donated_argument_of_another_dtype_keeps_the_output_dtype(mesh, dtype):
+    x, d = torch.randn(4, 6), torch.randn(4, 6).to(dtype)
+    out, donated = _check_donating_call(lambda x, d: x * 2, [x, d], [P(), P()], P(), (1,), mesh)
+    assert out.dtype == torch.float32 and donated.isdisjoint(_ptrs(out))
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+def test_an_unread_donated_argument_of_another_shape_is_not_reused(mesh):
+    """Same element count ([1,6,8] vs [8,6,1]) and a smaller one: neither buffer receives the outputs."""
+    x, d, e = torch.randn(8, 6), torch.randn(1, 6, 8), torch.randn(1)
+    out, donated = _check_donating_call(lambda x, d, e: x.reshape(8, 6, 1) * 2, [x, d, e], [P(), P(), P()], P(),
+                                        (1, 2), mesh)
+    assert donated.isdisjoint(_ptrs(out))
+
+
+def test_an_unread_donated_argument_of_the_same_shard_shape_is_reused():
+    x, d = torch.randn(8, 6), torch.randn(8, 6)
+    out, donated = _check_donating_call(lambda x, d: x * 2, [x, d], [P("tp"), P("tp")], P("tp"), (1,), MESH)
+    assert set(_ptrs(out)) == donated
+
+
+@pytest.mark.parametrize("mesh", [MESHES["cpu2"], MESH2D], ids=["cpu2", "2d"])
+@pytest.mark.parametrize("fn", [lambda x: x.T, lambda x: x ** 3], ids=["transpose", "cube"])
+def test_a_replicated_donated_input_with_a_sharded_output(mesh, fn):
+    """Slices of a donated parameter are not views: the donating program places them in the arena."""
+    _check_donating_call(fn, [torch.randn(4, 4)], [P()], P("tp", None), (0,), mesh)
+
+
+@pytest.mark.parametrize("mesh", MESHES.values(), ids=MESHES.keys())
+@pytest.mark.parametrize("case", ["reshape", "chunk", "reshape-both", "transpose-reshape"])
+def test_donated_inputs_read_through_a_reshape_or_chunk_into_another_sharding(mesh, case):
+    fn, in_specs, out_spec = {
+        "reshape": (lambda x, y: x.reshape(4, 8) + y, [P("tp"), P()], P(None, "tp")),
+        "chunk": (lambda x, y: torch.cat(x.chunk(2, dim=1)[::-1], dim=1) * y.reshape(8, 4), [P("tp"), P(None, "tp")],
+                  P(None, "tp")),
+        "reshape-both": (lambda x, y: x.reshape(4, 8) + y, [P("tp"), P()], P("tp")),
+        "transpose-reshape": (lambda x, y: x.T.reshape(8, 4) * torch.tanh(y.reshape(8, 4)), [P(None, "tp"), P("tp")],
+                              P("tp")),
+    }[case]
+    _check_donating_call(fn, [torch.randn(8, 4), torch.randn(4, 8)], in_specs, out_spec, (0, 1), mesh)
+
+
+def test_a_non_contiguous_donated_shard_is_not_written():
+    """``from_shards`` adopts the caller's tensors as they are: a transposed one is not an ``out=`` buffer."""
+    f = spmd.jit(lambda x: x + 1, mesh=MESHES["cpu2"], in_shardings=P("tp"), out_shardings=P("tp"), donate_argnums=0)
+    x = torch.randn(6, 4)
+    shards = [x[:3].T.contiguous().T, x[3:].T.contiguous().T]
+    assert not shards[0].is_contiguous()
+    xa = spmd.ShardedArray.from_shards(shards, NamedSharding(MESHES["cpu2"], P("tp")), (6, 4))
+    out = f(xa)
+    torch.testing.assert_close(out.to_torch(), x + 1)
+    assert xa.is_deleted

@@ -95,10 +95,11 @@ def _div(em: Emitter, a: dict, val) -> Instruction:
 @register(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div_mode(em: Emitter, a: dict, val) -> Instruction:
     mode = a["rounding_mode"]
+    if mode == "floor" and not val.dtype.is_floating_point:
+        from spmd.frontend.aten_sort_ops import div_floor_int
+        return div_floor_int(em, a, val)
     q = _ew(em, "divide", [a["self"], a["other"]], val)
     if mode is None or not val.dtype.is_floating_point:
-        if mode == "floor" and not val.dtype.is_floating_point:
-            raise NotImplementedError("integer division with rounding_mode='floor'")
         return q
     if mode == "floor":
         return em.unary("floor", q)
@@ -280,8 +281,6 @@ def _minmax(kind: str, with_indices: bool):
 
 register(aten.amax.default, aten.max.default)(_minmax("maximum", False))
 register(aten.amin.default, aten.min.default)(_minmax("minimum", False))
-register(aten.max.dim)(_minmax("maximum", True))
-register(aten.min.dim)(_minmax("minimum", True))
 
 
 @register(aten.linalg_vector_norm.default)

@@ -10,7 +10,8 @@ one dot or one custom call); only when it holds ops without a converter is it ru
 Entry parameters are numbered: the user's tensor inputs (flattened ``(args, kwargs)``), then,
 for an nn.Module, its parameters and buffers by fully qualified name. Tensor constants
 captured by the program become ``constant`` instructions. Shapes are global; no shardings
-and an empty mesh.
+and an empty mesh. An input updated in place must also be returned (the program is functional:
+``spmd.frontend.mutations``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_sort_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_update_ops  # noqa: F401  (registers converters)
 from spmd.frontend.aten_common import ATEN_OPS, Missing, UnsupportedOpError, bind_args
 from spmd.frontend.emitter import Emitter, dtype_of
+from spmd.frontend.mutations import data_dependent_hint, user_output_nodes
 from spmd.ir.hlo import Computation, Instruction, Module, Shape, SourceLocation
 
 __all__ = ["ImportedProgram", "UnsupportedOpError", "import_program", "export_program"]
@@ -96,7 +101,10 @@ def _traceable(fn):
 def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
     """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed."""
     mod = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else _FnModule(fn_or_module)
-    ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
+    try:
+        ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
+    except GuardOnDataDependentSymNode as e:
+        raise ValueError(f"{data_dependent_hint()}: {str(e).strip().splitlines()[0]}") from e
     if any(n.op == "call_function" and n.target not in ATEN_OPS for n in ep.graph.nodes):
         table = torch.export.default_decompositions()
         for op in ATEN_OPS:
@@ -250,15 +258,11 @@ def _convert(ep: ExportedProgram, name: str) -> ImportedProgram:
 
 
 def _root(ep: ExportedProgram, em: Emitter, node: torch.fx.Node, env: dict) -> Instruction:
-    specs = ep.graph_signature.output_specs
-    bad = [s for s in specs if s.kind != OutputKind.USER_OUTPUT]
-    if bad:
-        raise UnsupportedOpError(f"unsupported program output {bad[0].arg} of kind {bad[0].kind.name} "
-                                 "(in-place updates of buffers or inputs)")
+    user = user_output_nodes(ep, node, lambda n: _where(location_of(n)))
     em.location = SourceLocation(op_name="output")
     em.base_name = "output"
     outs = []
-    for x in node.args[0]:
+    for x in user:
         if not isinstance(x, torch.fx.Node):
             raise UnsupportedOpError(f"unsupported non-tensor program output {x!r}")
         outs.append(_lookup(env, em.location)(x))

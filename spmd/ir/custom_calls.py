@@ -15,6 +15,8 @@ silu           x                           (none)
 Sharding       x                           (none); the constraint is ``Instruction.sharding``
 =============  ==========================  ===============================================
 
+Ops along one dim (sort, topk, cumsum, cumprod) are registered from ``spmd.ir.custom_calls_sort``.
+
 Sharding-rule kinds (``CustomCallSpec.rule``):
 
 - ``"elementwise"``: one operand, result of the same shape; any sharding passes through.
@@ -161,6 +163,15 @@ CUSTOM_CALLS: dict[str, CustomCallSpec] = {
                        "identity carrying a sharding constraint in Instruction.sharding"),
     )
 }
+
+
+def _register_more() -> None:
+    from spmd.ir.custom_calls_sort import SORT_CALLS
+
+    CUSTOM_CALLS.update({spec.target: spec for spec in SORT_CALLS})
+
+
+_register_more()
 
 
 def get_custom_call(target: str) -> CustomCallSpec:

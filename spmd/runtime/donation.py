@@ -14,19 +14,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spmd.ir.hlo import ELEMENTWISE_OPCODES
+from spmd.ir.hlo import ELEMENTWISE_OPCODES, Shape
 from spmd.runtime.fusions import is_fresh
 
 
 def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[int],
-                  donated: frozenset[int]) -> dict[int, int]:
+                  donated: frozenset[int], param_shapes: Sequence[Shape]) -> dict[int, int]:
     """Map op index -> donated parameter index whose buffer receives that op's (output) result.
+
+    A donated buffer receives an output only when the output's per-device shape equals the
+    parameter's exactly (dims and dtype; both row-major), whether or not the program reads the
+    parameter; otherwise it is simply not reused (donation is a permission, as in XLA's
+    ``donate_argnums``: it never changes a result).
 
     Args:
       ops: the lowering's ``Op`` list (after fusion).
       param_slots: slot of each parameter, by parameter number.
       output_slots: slots of the outputs.
       donated: donated parameter numbers.
+      param_shapes: per-device (padded shard) shape of each parameter, by parameter number.
     """
     producer = {op.out: k for k, op in enumerate(ops)}
     outputs = set(output_slots)
@@ -37,8 +43,7 @@ def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[
         if p is None or p in plan or "spec" in ops[p].extra or ops[p].inst.shape.is_tuple:
             continue
         for i in sorted(donated - used):
-            param = ops_param_inst(ops, param_slots[i])
-            if param is not None and param.shape != ops[p].inst.shape:
+            if param_shapes[i] != ops[p].inst.shape:
                 continue
             aliases = _aliases(ops, param_slots[i])
             if aliases & outputs or not _safe(ops, p, param_slots[i], aliases):
@@ -47,15 +52,6 @@ def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[
             used.add(i)
             break
     return plan
-
-
-def ops_param_inst(ops: list, slot: int):
-    """The parameter instruction of ``slot`` as an operand of some op, or None if unused."""
-    for op in ops:
-        for k, s in enumerate(op.ins):
-            if s == slot and k < len(op.inst.operands) and op.inst.operands[k].opcode == "parameter":
-                return op.inst.operands[k]
-    return None
 
 
 def _aliases(ops: list, slot: int) -> set[int]:
@@ -88,3 +84,23 @@ def _reads_in_place(op, hits: list[int], param_slot: int) -> bool:
         return hits == [0]
     # a fusion's kernel computes its whole result before copying it into the donated buffer
     return op.fn is None and (op.inst.opcode in ELEMENTWISE_OPCODES or op.inst.opcode == "fusion")
+
+
+def reusable(donated: frozenset[int], args) -> frozenset[int]:
+    """The donated parameters whose buffers can be written as outputs: ``donated`` minus any whose
+    per-device tensor is not contiguous (row-major, no overlapping elements) or shares memory with
+    the same parameter's tensor on another local device.
+
+    ``args[i][k]`` is parameter ``i`` on local device ``k``. A buffer left out is simply not
+    reused: the program variant without it computes the same result into fresh memory.
+    """
+    keep = []
+    for i in donated:
+        if not (isinstance(i, int) and 0 <= i < len(args)):
+            keep.append(i)  # the caller reports it
+            continue
+        per = args[i]
+        ptrs = {t.data_ptr() for t in per}
+        if len(ptrs) == len(per) and all(t.is_contiguous() for t in per):
+            keep.append(i)
+    return donated if len(keep) == len(donated) else frozenset(keep)

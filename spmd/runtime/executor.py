@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from spmd.ir.hlo import Module
+from spmd.runtime.donation import reusable
 from spmd.runtime.lower import ArenaView, Program, lower
 from spmd.runtime.thunks import CollectiveThunk, KernelThunk, Segment, segments
 
@@ -136,6 +137,7 @@ class Executable:
         self.program: Program = lower(module, self.devices, self.pids, buffers, gpu=self.gpu, fuse=options.fuse)
         self._variants = {frozenset(): (self.program, segments(self.program.thunks))}
         self._arenas = _ArenaPool(self.devices, self.program.arena_size_bytes, self.program.arena_views)
+        self._variant_arenas: dict[frozenset[int], _ArenaPool] = {frozenset(): self._arenas}
         self._param_meta = [(tuple(p.shape.dims), p.shape.torch_dtype) for p in module.entry.parameters]
         self._comm = self._make_comm()
         self._pool = None
@@ -192,8 +194,11 @@ class Executable:
           ValueError / TypeError: ``args`` does not match the parameters.
         """
         self._check_args(args)
+        if donated:
+            donated = reusable(frozenset(donated), args)
         program, steps = self._variant(donated)
-        arenas = self._arenas.acquire()
+        pool = self._variant_arenas[frozenset(donated)]
+        arenas = pool.acquire()
         views = arenas
         if program.donated_params:
             views = [a + [args[i][k] for i in program.donated_params] for k, a in enumerate(arenas)]
@@ -205,7 +210,7 @@ class Executable:
             self._run_cpu(steps, call, trace)
             return self._outputs(program, call), [None] * len(self.devices)
         finally:
-            self._arenas.release(arenas)
+            pool.release(arenas)
 
     def _variant(self, donated: frozenset[int]) -> tuple[Program, list]:
         """The program lowered for this donation set (lowered on first use, then cached)."""
@@ -220,6 +225,13 @@ class Executable:
                         fuse=self.options.fuse, donated=donated)
         assert program.stream_ids == self.program.stream_ids and program.num_events == self.program.num_events
         variant = (program, segments(program.thunks))
+        # a donated parameter's slices are not views (``aliasing.mark_parameter_views``), so the
+        # variant may place more results in the (same size) arena: its views need their own pool
+        pool = self._arenas
+        if program.arena_views != self.program.arena_views:
+            pool = _ArenaPool(self.devices, program.arena_size_bytes, program.arena_views)
+            pool.streams = self._arenas.streams
+        self._variant_arenas[donated] = pool
         self._variants[donated] = variant
         return variant
 

@@ -309,7 +309,8 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
     aliasing.mark_materialized(lw, op_buffers)
-    plan = plan_donation(lw.ops, [lw.param_slots[i] for i in range(len(params))], output_slots, donated)
+    plan = plan_donation(lw.ops, [lw.param_slots[i] for i in range(len(params))], output_slots, donated,
+                         [p.shape for p in params])
     clone = aliasing.output_clones(lw, output_slots, op_buffers, donated, plan)
     for t, k in enumerate(sorted(plan)):
         op_buffers[k] = len(arena_views) + t

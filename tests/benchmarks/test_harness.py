@@ -392,8 +392,11 @@ def test_torch_eager_anchor_on_cpu():
            "--calls", "5", "--rounds", "1"]
     proc = subprocess.run(cmd, cwd=REPO, env=common.child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    (rec,) = common.parse_records(proc.stdout)
-    assert rec["source"] == "torch-eager" and rec["workload"] == "add" and rec["synced_us"] > 0
+    recs = common.parse_records(proc.stdout)
+    assert [r["source"] for r in recs] == ["torch-eager", "torch-compile", "torch-compile-ro"]
+    for rec in recs:
+        assert rec["workload"] == "add" and rec["synced_us"] > 0 and rec["error"] is None
+        assert rec["rel_err_vs_eager"] < 1e-6
 
 
 # ----------------------------------------------------------------------------- run_gpu.sh

@@ -72,3 +72,71 @@ def test_bad_donation_index_is_rejected():
     ex = Executable(m, FakeMesh(m.mesh))
     with pytest.raises(ValueError, match="donated"):
         ex.run(_args([(4, 4)]), donated=frozenset({3}))
+
+
+UNREAD = """HloModule unread, num_partitions=2, mesh={x=2}, is_partitioned=true
+
+ENTRY %main (x: f32[4,6], d64: f64[4,6], d: f32[1,6,4], e: f32[4,6]) -> f32[4,6] {
+  %x = f32[4,6] parameter(0)
+  %d64 = f64[4,6] parameter(1)
+  %d = f32[1,6,4] parameter(2)
+  %e = f32[4,6] parameter(3)
+  ROOT %y = f32[4,6] add(%x, %x)
+}
+"""
+
+# a replicated parameter sliced per device (the partitioner's replicated -> sharded change)
+SLICED = """HloModule sliced, num_partitions=2, mesh={x=2}, is_partitioned=true
+
+ENTRY %main (x: f32[4,4]) -> f32[2,4] {
+  %x = f32[4,4] parameter(0)
+  %zero = s32[] constant(0)
+  %pid = u32[] partition-id()
+  %p = s32[] convert(%pid)
+  %two = s32[] constant(2)
+  %off = s32[] multiply(%p, %two)
+  %ds = f32[4,2] dynamic-slice(%x, %zero, %off), dynamic_slice_sizes={4,2}
+  ROOT %t = f32[2,4] transpose(%ds), dimensions={1,0}
+}
+"""
+
+
+def test_an_unread_donated_parameter_receives_only_an_output_of_its_shape_and_dtype():
+    m = parse_module(UNREAD)
+    ex = Executable(m, FakeMesh(m.mesh))
+    args = [[torch.randn(4, 6) for _ in range(2)], [torch.randn(4, 6, dtype=torch.float64) for _ in range(2)],
+            [torch.randn(1, 6, 4) for _ in range(2)], [torch.randn(4, 6) for _ in range(2)]]
+    outs, _ = ex.run(args, donated=frozenset({1, 2}))
+    for d in range(2):
+        assert outs[0][d].dtype == torch.float32 and outs[0][d].shape == (4, 6)
+        assert outs[0][d].data_ptr() not in (args[1][d].data_ptr(), args[2][d].data_ptr())
+        torch.testing.assert_close(outs[0][d], 2 * args[0][d])
+    outs, _ = ex.run(args, donated=frozenset({1, 2, 3}))
+    for d in range(2):
+        assert outs[0][d].data_ptr() == args[3][d].data_ptr()  # unread, same shape and dtype: reused
+        torch.testing.assert_close(outs[0][d], 2 * args[0][d])
+
+
+def test_a_donated_parameter_that_is_sliced_runs_with_the_variants_arena():
+    """Donated, the slice is no parameter view: the variant places it in the arena (more views)."""
+    from spmd.passes.assign_buffers import assign_buffers
+
+    m = parse_module(SLICED)
+    ex = Executable(m, FakeMesh(m.mesh), buffers=assign_buffers(m))
+    args = _args([(4, 4)])
+    x = [t.clone() for t in args[0]]
+    outs, _ = ex.run(args, donated=frozenset({0}))
+    for d in range(2):
+        torch.testing.assert_close(outs[0][d], x[d][:, 2 * d:2 * d + 2].T)
+
+
+def test_a_non_contiguous_donated_buffer_is_not_written():
+    m = parse_module(LATE_READ)
+    ex = Executable(m, FakeMesh(m.mesh))
+    args = [[torch.randn(4, 4).T for _ in range(2)]]
+    x = [t.clone() for t in args[0]]
+    outs, _ = ex.run(args, donated=frozenset({0}))
+    for d in range(2):
+        assert outs[1][d].data_ptr() != args[0][d].data_ptr()
+        torch.testing.assert_close(outs[1][d], -x[d])
+        torch.testing.assert_close(args[0][d], x[d])

@@ -1,0 +1,102 @@
+"""argmax/argmin, max/min(dim) indices, sort/argsort/topk, cumsum/cumprod, floor division and xor
+imported from torch.export and run through the kernels, against PyTorch eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd.frontend.aten_common import UnsupportedOpError
+from spmd.frontend.torch_export import import_program
+
+from .helpers import run_imported
+
+
+def _check(fn, *args):
+    _, got = run_imported(fn, args)
+    want = fn(*args)
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (k, g.dtype, w.dtype, g.shape, w.shape)
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0, msg=f"output {k}")
+
+
+def _ties(shape=(4, 6), dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = (x * 2).round() / 2  # many equal values
+    return x.to(dtype)
+
+
+def test_argmax_argmin_with_ties_dims_and_keepdim():
+    x = _ties()
+    _check(lambda t: (t.argmax(), t.argmin(), t.argmax(0), t.argmin(-1), t.argmax(1, keepdim=True),
+                      t.argmin(None, keepdim=True)), x)
+
+
+def test_max_min_dim_values_and_indices():
+    x = _ties((3, 5, 4))
+    _check(lambda t: (*t.max(dim=1), *t.min(dim=-1, keepdim=True), *torch.max(t, 0)), x)
+
+
+def test_argmax_nan_counts_as_the_maximum():
+    x = _ties()
+    x[1, 3] = x[1, 5] = float("nan")
+    x[2, 0] = float("nan")
+    _check(lambda t: (t.argmax(-1), t.argmin(-1), *t.max(1), *t.min(1), t.argmax()), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bfloat16, torch.bool])
+def test_arg_reductions_of_other_dtypes(dtype):
+    x = _ties(dtype=torch.float64) * 3
+    x = (x > 0) if dtype == torch.bool else x.to(dtype)
+    if dtype == torch.bool:
+        _check(lambda t: (*t.max(1), *t.min(0)), x)
+    else:
+        _check(lambda t: (t.argmax(1), t.argmin(0), *t.max(1)), x)
+
+
+def test_zero_dim_input():
+    _check(lambda t: (t.argmax(), *t.max(0), torch.topk(t, 1).values, t.cumsum(0)), torch.tensor(1.5))
+
+
+def test_sort_argsort_stable_descending():
+    x = _ties((5, 7))
+    _check(lambda t: (*torch.sort(t, dim=0, stable=True), *torch.sort(t, dim=-1, descending=True, stable=True),
+                      torch.argsort(t, dim=1, stable=True), torch.argsort(t, dim=0, descending=True, stable=True),
+                      torch.sort(t).values), x)
+
+
+def test_topk_largest_smallest_sorted():
+    x = torch.randn(4, 9, 3, dtype=torch.float64)
+    _check(lambda t: (*torch.topk(t, 3, dim=1), *torch.topk(t, 2, dim=-1, largest=False), torch.topk(t, 0, 1).values,
+                      torch.topk(t, 9, dim=1, sorted=True).indices), x)
+
+
+def test_topk_k_out_of_range_is_a_user_error():
+    with pytest.raises((UnsupportedOpError, ValueError, RuntimeError), match="k"):
+        import_program(lambda t: torch.topk(t, 5, dim=0).values, (torch.randn(3, 4),))
+
+
+def test_cumsum_cumprod_dtypes_promote_as_torch():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    i = torch.randint(-4, 5, (4, 6), dtype=torch.int32)
+    _check(lambda t, n: (t.cumsum(1), t.cumprod(0), n.cumsum(0), n.cumprod(1), (n > 0).cumsum(1),
+                         n.cumsum(1, dtype=torch.float64), t.cumsum(-1, dtype=torch.float32)), x, i)
+
+
+def test_integer_floor_division_with_negatives():
+    a = torch.tensor([[7, -7, 7, -7, 0, 5, -6], [3, -3, 8, -9, 1, -1, 6]], dtype=torch.int64)
+    b = torch.tensor([[2, 2, -2, -2, 3, -5, 4], [3, 3, -3, 3, -2, 2, -4]], dtype=torch.int64)
+    _check(lambda x, y: (x // y, torch.div(x, y, rounding_mode="floor"), x // 3, x // -4,
+                         torch.floor_divide(x.int(), -3), torch.div(x, -2, rounding_mode="floor"),
+                         torch.div(x, y, rounding_mode="trunc"), x.double() // y), a, b)
+
+
+def test_xor_on_bools_and_integers():
+    i = torch.randint(-8, 8, (3, 5), dtype=torch.int32)
+    j = torch.randint(-8, 8, (3, 5), dtype=torch.int32)
+    _check(lambda x, y: ((x > 0) ^ (y < 1), torch.logical_xor(x, y > 0), torch.bitwise_xor(x, y), x ^ 5,
+                         torch.logical_xor(x.float(), y), (x > 0).bitwise_xor(True)), i, j)
