@@ -230,10 +230,10 @@ class Compiled:
         from spmd.distributed.fingerprint import check_same_program
         from spmd.distributed.state import require
 
-        check_same_program(require(self.name), self)
-        comm = getattr(getattr(self.executable, "_comm", None), "program", None)
-        if comm is not None:
-            self.executable._comm.program = self.name
+        seq = check_same_program(require(self.name), self)
+        comm = getattr(self.executable, "_comm", None)
+        if hasattr(comm, "program"):  # name the program in errors; key arrival records by the agreed sequence
+            comm.program, comm.comm_id = self.name, f"p{seq}"
         self._first_run = False
 
     def _bind_slow(self, spec: InputSpec, arg) -> ShardedArray:

@@ -28,8 +28,10 @@ def fingerprint(compiled: Any) -> tuple[str, str]:
     return h.hexdigest(), f"{compiled.name}({args})"
 
 
-def check_same_program(state: Any, compiled: Any) -> None:
+def check_same_program(state: Any, compiled: Any) -> int:
     """Compare ``compiled``'s fingerprint with every rank's (call at its first execution, on every rank).
+
+    Returns the execution's sequence number (equal on every rank; it names the program's keys).
 
     Raises:
       ProgramMismatchError: ranks compiled different programs (names the ranks and what each runs).
@@ -40,7 +42,7 @@ def check_same_program(state: Any, compiled: Any) -> None:
     got = all_gather_str(state, f"program/{seq}", f"{digest}|{about}",
                          f"first execution #{seq} (program fingerprint check)", program=compiled.name)
     if len(set(got)) == 1:
-        return
+        return seq
     groups: dict[str, list[int]] = {}
     for r, v in enumerate(got):
         groups.setdefault(v, []).append(r)
