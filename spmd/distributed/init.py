@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -85,8 +86,19 @@ def shutdown() -> None:
     """Leave the run: destroy the process groups ``spmd`` created and the default group."""
     state = st.current()
     st.set_state(None)
+    _forget_programs()
     if state is not None and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _forget_programs() -> None:
+    """Drop cached programs of multi-process meshes: their communicators belong to the run that ended."""
+    for name, attr in (("spmd.jit", "_GLOBAL_CACHE"), ("spmd.reshard", "_CACHE")):
+        module = sys.modules.get(name)
+        cache = getattr(module, attr, None) or {}
+        for key, compiled in list(cache.items()):
+            if compiled.mesh.is_multi_process:
+                del cache[key]
 
 
 def _timeout(timeout_s) -> float:

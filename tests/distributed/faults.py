@@ -44,8 +44,9 @@ def dying_worker(rank: int, world: int, init_method: str, out: str, timeout_s: f
 
         def die(self, *a, **k):
             if self.calls >= 0:  # the first collective of this step ran; die in the next one
-                if hang:
-                    time.sleep(4 * timeout_s)
+                deadline = time.monotonic() + (4 * timeout_s if hang else 0)
+                while time.monotonic() < deadline and not Path(out, "rank0.txt").exists():
+                    time.sleep(0.2)  # hang until rank 0 has failed (bounded)
                 os._exit(3)
             return run(self, *a, **k)
 

@@ -160,8 +160,19 @@ class MultiProcessCommunicator:
         if total.shape[0] % n:
             raise ValueError(f"dim {spec.dim} of size {total.shape[0]} is not divisible into {n} equal chunks")
         buf = torch.empty((total.shape[0] // n, *total.shape[1:]), dtype=total.dtype, device=total.device)
+        unsupported = False
         with guarded(self, "reduce-scatter", procs):
-            dist.reduce_scatter_tensor(buf, total, op=_OPS[spec.reduce_op], group=subgroup(self.state, procs))
+            try:
+                dist.reduce_scatter_tensor(buf, total, op=_OPS[spec.reduce_op], group=subgroup(self.state, procs))
+            except RuntimeError as e:  # gloo of older PyTorch: raised on every rank before any message
+                if "support" not in str(e):
+                    raise
+                unsupported = True
+        if unsupported:
+            with guarded(self, "reduce-scatter (as all-reduce)", procs):
+                dist.all_reduce(total, op=_OPS[spec.reduce_op], group=subgroup(self.state, procs))
+            me = procs.index(self.rank)
+            buf = total[me * buf.shape[0]:(me + 1) * buf.shape[0]]
         return [buf.movedim(0, spec.dim).contiguous()]
 
     def _all_reduce(self, spec, stacked: Tensor, procs) -> None:
