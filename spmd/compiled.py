@@ -93,7 +93,8 @@ class Compiled:
         self._tensor_positions = tuple(i for i in range(lowered.arg_tree.num_leaves) if i not in lowered.static_leaves)
         self._outputs = tuple(zip(output_shardings, (torch.Size(s) for s in output_shapes), output_dtypes,
                                   strict=True))
-        self._no_events = (None,) * len(self.mesh.devices)
+        self._no_events = (None,) * len(self.mesh.local_pids)
+        self._first_run = self.mesh.is_multi_process  # compare the program across ranks before running it
         self._out_leaf = lowered.out_tree.is_leaf()
         self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
         self._run_for, self._run = None, None  # see _execute
@@ -214,6 +215,8 @@ class Compiled:
                 events.append(self._no_events)
         if self._donated:
             self._check_donation(args, arrays)
+        if self._first_run:
+            self._check_program()
         ex = self.executable
         if ex is not self._run_for:  # a GraphRunner skips re-checking the buffers of arrays checked here
             self._run_for = ex
@@ -237,6 +240,17 @@ class Compiled:
                 for b, (sharding, shape, dtype) in zip(out_buffers, self._outputs, strict=True)]
         _EXECUTE.record(time.perf_counter() - start)
         return outs
+
+    def _check_program(self) -> None:
+        """First run on a multi-process mesh: the same program on every rank (``spmd.distributed.fingerprint``)."""
+        from spmd.distributed.fingerprint import check_same_program
+        from spmd.distributed.state import require
+
+        seq = check_same_program(require(self.name), self)
+        comm = getattr(self.executable, "_comm", None)
+        if hasattr(comm, "program"):  # name the program in errors; key arrival records by the agreed sequence
+            comm.program, comm.comm_id = self.name, f"p{seq}"
+        self._first_run = False
 
     def _bind_slow(self, spec: InputSpec, arg) -> ShardedArray:
         """Check an argument that is not already laid out as compiled; place or reshard it."""
