@@ -239,7 +239,9 @@ class Generator:
             raise ValueError(f"stream_every: expected an int >= 0, got {stream_every!r}")
         prefill, decode = self.programs(sampling)
         tokens, start = self.pad_prompts(ids)
-        rng = device_put(initial_rng_state(self.max_batch, self.model.config.vocab_size, sampling.seed), self._batch2)
+        # greedy decoding reads no random numbers: a [B, 1] placeholder keeps the program signature
+        lanes = 1 if sampling.greedy else self.model.config.vocab_size
+        rng = device_put(initial_rng_state(self.max_batch, lanes, sampling.seed), self._batch2)
         history = device_put(torch.zeros(self.max_batch, self.max_seq - self.prefill_len + 1, dtype=torch.int64),
                              self._batch2)
         n = len(ids)
