@@ -70,7 +70,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot, mode: str) -> torch.Tensor:
     """``cache`` [B, nkv, max_seq, hd] with ``new`` [B, nkv, S, hd] written at slots ``slot .. slot+S-1``.
 
-    ``slot`` is a Python int (a static slice: the prefill) or an int64 tensor [] (the decode
+    ``slot`` is a Python int (a static slice, ``slice_scatter``: the prefill) or an int64 tensor [] (the decode
     step's device position). ``mode`` "index" writes with ``index_copy`` (a dynamic-update-slice
     in the compiled program); "mask" selects with ``torch.where`` over the slot dim (needs S == 1).
     Functional: returns the new cache (a compiled step donating the cache writes it in place).
@@ -84,9 +84,8 @@ def write_cache(cache: torch.Tensor, new: torch.Tensor, slot, mode: str) -> torc
         else:
             cache.index_copy_(2, slot.reshape(1) + torch.arange(s, device=cache.device), new)
         return cache
-    if isinstance(slot, int):
-        parts = [cache[:, :, :slot], new, cache[:, :, slot + s:]]
-        return torch.cat([p for p in parts if p.shape[2]], dim=2)
+    if isinstance(slot, int):  # a dynamic-update-slice at a constant start (in place when donated)
+        return torch.slice_scatter(cache, new, dim=2, start=slot, end=slot + s)
     if mode == "index":
         return cache.index_copy(2, slot.reshape(1) + torch.arange(s, device=cache.device), new)
     assert s == 1, "the mask cache update writes one slot"
