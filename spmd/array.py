@@ -86,7 +86,7 @@ class ShardedArray:
     after asynchronous dispatch.
     """
 
-    __slots__ = ("_buffers", "_sharding", "_shape", "_dtype", "_ready_events", "_deleted_reason")
+    __slots__ = ("_buffers", "_sharding", "_shape", "_dtype", "_ready_events", "_deleted_reason", "__weakref__")
 
     @classmethod
     def _from_buffers(cls, buffers, sharding: NamedSharding, shape, dtype: torch.dtype, ready_events=None):

@@ -1,7 +1,10 @@
-"""The ``spmd`` command: ``spmd demo`` (real MiniLM, tensor-parallel) and ``spmd run`` (time a model).
+"""The ``spmd`` command: ``spmd demo`` (real MiniLM, tensor-parallel), ``spmd run`` (time a model) and
+``spmd train`` (a small GPT trained on a mesh, ``spmd.train.cli_train``) and ``spmd generate`` (decode with a
+sharded KV cache, ``spmd.cli_generate``).
 
     python -m spmd demo                       # all local GPUs, else 4 virtual CPU devices
     python -m spmd run --model gpt3-layer --mesh tp=2 --layers 2 --dtype bfloat16
+    python -m spmd generate --model llama2-7b --layers 4 --mesh tp=2 --max-new-tokens 128
     torchrun --nproc-per-node 2 -m spmd demo  # one mesh over both processes; rank 0 prints
 
 Bad input (unknown model, malformed ``--mesh``, a mesh larger than the devices present, heads
@@ -24,6 +27,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from spmd.cli_generate import add_generate_parser, cmd_generate
 
 MODELS = ("minilm", "gpt3-layer", "llama2-7b-layer", "llama3-70b-layer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -348,7 +353,7 @@ def _neighbours_table(sentences, emb: torch.Tensor) -> Table:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd", description="SPMD compiler and runtime for PyTorch programs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run,train,generate}")
 
     demo = sub.add_parser("demo", help="real MiniLM sentence embeddings, tensor-parallel, checked against a reference")
     demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else 4 cpu devices")
@@ -369,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sequence-parallel", action="store_true",
                      help="block models: split norms and residuals on the sequence dim (Megatron-SP)")
     _common(run)
+    from spmd.train.cli_train import add_train_parser
+
+    add_train_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 
@@ -405,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, quiet=_rank() != 0)
     try:
         _finish_args(args)
+        if args.command == "train":
+            from spmd.train.cli_train import cmd_train
+
+            return cmd_train(args, console)
+        if args.command == "generate":
+            return cmd_generate(args, console, make_mesh, parse_mesh)
         return cmd_demo(args, console) if args.command == "demo" else cmd_run(args, console)
     except (ValueError, TypeError) as e:
         if args.debug:
