@@ -72,6 +72,9 @@ def bad_input_worker(rank: int, world: int, init_method: str, out: str) -> None:
         mesh = Mesh.create({"dp": world, "tp": 2}, devices="cpu:2")
         a = spmd.device_put(torch.randn(8, 4), NamedSharding(mesh, P("dp")))
         lines.append("to_torch: " + _catch(a.to_torch))
+        value = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))  # the same on every rank
+        inside = [spmd.device_put(value, NamedSharding(mesh, spec)) for spec in (P(), P(None, "tp"))]
+        lines.append("locally-complete: " + str([torch.equal(b.to_torch(), value) for b in inside]))
         lines.append("shards: " + _catch(lambda: a.shards))
         local = torch.randn(4 + rank, 4)
         lines.append("local_data: " + _catch(lambda: spmd.distributed.make_array_from_process_local_data(

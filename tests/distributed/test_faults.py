@@ -40,6 +40,7 @@ def test_bad_input_and_a_mismatched_program_are_clear_errors_naming_ranks(tmp_pa
         assert "cuda:7 is not a device of this process" in got["other-process"], got["other-process"]
         assert f"(rank {rank} has" in got["other-process"], got["other-process"]
         assert got["to_torch"].startswith("ValueError: to_torch:") and "process_allgather" in got["to_torch"]
+        assert got["locally-complete"] == "[True, True]", got["locally-complete"]  # replicated / split inside
         assert got["shards"].startswith("ValueError: shards:") and "addressable_shards" in got["shards"]
         assert got["local_data"].startswith("ValueError: local_data:"), got["local_data"]
         assert "rank 0 give global float32[8, 4]" in got["local_data"], got["local_data"]
