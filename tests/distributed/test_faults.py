@@ -28,7 +28,7 @@ def test_a_rank_dying_mid_step_fails_the_others_within_the_bound(tmp_path, hang)
     elapsed, text = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert text.startswith("DistributedTimeoutError: all-gather (collective #1) of program 'mlp'"), text
     assert "rank 1 did not arrive" in text, text
-    assert float(elapsed) < timeout_s + 10, elapsed  # the bound, the grace for arrival keys, slack for load
+    assert float(elapsed) < timeout_s + 20, elapsed  # the bound, the grace for arrival keys, slack for load
 
 
 def test_bad_input_and_a_mismatched_program_are_clear_errors_naming_ranks(tmp_path):
