@@ -184,10 +184,11 @@ def lower_function(jitted, args: tuple):
         return tuple(out_leaves)
 
     _keep_user_frames(jitted.fn)
-    for a in jitted.donate_argnums:
-        if a >= len(args):
-            raise ValueError(f"donate_argnums: argument {a} does not exist; the function was called with "
-                             f"{len(args)} arguments")
+    for what, argnums in (("donate_argnums", jitted.donate_argnums), ("weight_argnums", jitted.weight_argnums)):
+        for a in argnums:
+            if a >= len(args):
+                raise ValueError(f"{what}: argument {a} does not exist; the function was called with "
+                                 f"{len(args)} arguments")
     # Example inputs on the CPU: export traces them as fake tensors (no data is read), and
     # tensors the function captures or creates on the CPU meet inputs on the same device.
     examples = [torch.empty(leaf.shape, dtype=leaf.dtype) for leaf in in_leaves]
