@@ -173,3 +173,12 @@ def test_kv_cache_decode_loop_on_gpus():
         ref[:, :, pos] = k
         cache = f(cache, torch.tensor(pos).cuda(), k.cuda())
     torch.testing.assert_close(cache.to_torch().cpu(), ref)
+
+
+def test_kv_cache_sharded_over_the_sequence_needs_no_collective():
+    mesh = Mesh.create(("tp",), devices="cpu:4")
+    spec = P(None, None, "tp")
+    f = spmd.jit(_kv_aten_index_put, mesh=mesh, in_shardings=(spec, P(), P()), out_shardings=spec,
+                 donate_argnums=(0,))
+    cache, k = torch.randn(2, 3, 10, 5, dtype=F64), torch.randn(2, 3, 5, dtype=F64)
+    assert f.lower(cache, torch.tensor(7), k).compile().collectives() == []
