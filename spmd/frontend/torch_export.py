@@ -105,7 +105,9 @@ def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> Exp
     try:
         ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
     except GuardOnDataDependentSymNode as e:
-        raise ValueError(f"{data_dependent_hint()}: {str(e).strip().splitlines()[0]}") from e
+        frames = [f for f in _FRAME.findall(str(e)) if not f[0].startswith(_LIBRARY_DIRS)]
+        at = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
+        raise ValueError(f"{data_dependent_hint()}{at}: {str(e).strip().splitlines()[0]}") from e
     if any(n.op == "call_function" and n.target not in ATEN_OPS for n in ep.graph.nodes):
         table = torch.export.default_decompositions()
         for op in ATEN_OPS:

@@ -155,7 +155,7 @@ def test_zero_d_tensor_index_names_the_device_friendly_spellings():
 
     mesh = Mesh.create(("tp",), devices="cpu:1")
     g = spmd.jit(f, mesh=mesh, in_shardings=(P(), P(), P()), out_shardings=P())
-    with pytest.raises(ValueError, match=r"pos.reshape\(1\)"):
+    with pytest.raises(ValueError, match=r"pos.reshape\(1\).* at .*test_aten_update_ops.py:\d+"):
         g(torch.randn(2, 3, 10, 5), torch.tensor(4), torch.randn(2, 3, 5))
 
 
