@@ -24,6 +24,7 @@ from spmd.ir.hlo import ELEMENTWISE_OPCODES, Instruction
 from spmd.ir.sharding import MeshShape, TensorSharding
 from spmd.passes.dot_plans import _dot, dot_dims  # noqa: F401  (dot_dims is re-exported)
 from spmd.passes.plan_base import Axes, Plan, _d, _p, _Picker, _rep
+from spmd.passes.rules_conv import plan_conv1d
 from spmd.passes.rules_index import dus_plan, gather_dims, gather_plan, scatter_plan  # noqa: F401  (gather_dims re-exported)
 
 
@@ -37,6 +38,8 @@ def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSha
     """
     op = inst.opcode
     if not inst.operands:
+        if op == "iota" and out is not None:  # each device builds its shard (spmd.passes.partition_iota)
+            return Plan((), out.with_partial(()))
         return Plan((), _rep(inst)) if out is not None else None
     if out is None and all(c is None for c in current):
         return None
@@ -283,6 +286,8 @@ def _custom_call(inst, current, out, mesh) -> Plan:
         return Plan((want,), want)
     if spec.rule == "elementwise":
         return _elementwise(inst, current, out)
+    if spec.rule == "convolution":
+        return plan_conv1d(inst, current, out, mesh)
     config = dict(inst.attrs.get("backend_config") or {})
     if spec.rule == "reduction-last-dims":
         fixed = set(spec.unsharded_dims(config, rank))
