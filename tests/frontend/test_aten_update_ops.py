@@ -48,6 +48,12 @@ def _mask_assign(x, y):
     return x
 
 
+def _mask_assign_inner(x, y):
+    x = x.clone()
+    x[:, x[0] > 0] = -1.0
+    return x
+
+
 def _zero_slice(x, y):
     x = x.clone()
     x[:, :2].zero_()
@@ -55,7 +61,7 @@ def _zero_slice(x, y):
 
 
 @pytest.mark.parametrize("fn", [_slice_assign, _slice_assign_input, _select_assign, _copy_into_view,
-                                _strided_assign, _mask_assign, _zero_slice])
+                                _strided_assign, _mask_assign, _mask_assign_inner, _zero_slice])
 def test_slice_updates_match_eager(fn):
     x, y = torch.randn(4, 8, dtype=F64), torch.randn(4, 4, dtype=F64)
     want = fn(x.clone(), y)
