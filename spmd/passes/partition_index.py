@@ -101,8 +101,8 @@ def partition_dus(part, inst: Instruction, ops: list[Instruction], p: Plan):
     x, upd, starts = ops[0], ops[1], list(ops[2:])
     owned = None
     for d, axes in enumerate(x_sh.dims):
-        if not axes or upd.shape.dims[d] == local_dims[d]:
-            continue
+        if not axes or inst.operands[1].shape.dims[d] == inst.operands[0].shape.dims[d]:
+            continue  # a dim the update covers whole: the shards line up
         s = starts[d]
         dtype = Shape(s.shape.dtype)
         zero, last = em.constant(0, s.shape.dtype), em.constant(local_dims[d] - 1, s.shape.dtype)

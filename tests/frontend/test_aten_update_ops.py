@@ -188,3 +188,16 @@ def test_kv_cache_sharded_over_the_sequence_needs_no_collective():
                  donate_argnums=(0,))
     cache, k = torch.randn(2, 3, 10, 5, dtype=F64), torch.randn(2, 3, 5, dtype=F64)
     assert f.lower(cache, torch.tensor(7), k).compile().collectives() == []
+
+
+def test_slice_assignment_into_one_row_shards():
+    """Regression (random-program sweep): ``v[:, 0:1] = 1.5`` with v [6, 2, 1] split over 2 devices on dim 1."""
+    def f(x):
+        v = x.clone()
+        v[:, 0:1] = 1.5
+        return v
+
+    mesh = Mesh.create(("tp",), devices="cpu:2")
+    x = torch.randn(6, 2, 1, dtype=F64)
+    g = spmd.jit(f, mesh=mesh, in_shardings=(P(None, "tp"),), out_shardings=P())
+    torch.testing.assert_close(g(x).to_torch(), f(x))

@@ -401,3 +401,16 @@ def test_dynamic_update_slice_of_a_sharded_dim_numerics(mesh, cs):
         b.computation.root.sharding = _spec(cs)
         pm = check_numerics(m, [torch.randn(2, 10, 4), torch.randn(2, 1, 4)])
         assert collectives(pm) == []
+
+
+@pytest.mark.parametrize("pos", [0, 1])
+def test_dynamic_update_slice_of_one_row_shards_numerics(pos):
+    """Regression (random-program sweep): a [6, 2, 1] value split over 2 devices along dim 1 has shards
+    of one row, as large as the update; the row must still go to the shard that owns it only."""
+    m, b = new_module("one_row", MESHES["tp2"])
+    x = b.param(Shape(F32, (6, 2, 1)), "x", sharding=_spec((None, "tp", None)))
+    u = b.param(Shape(F32, (6, 1, 1)), "u", sharding=_spec((None, None, None)))
+    zero = b.constant(0, "s64")
+    b.set_root(b.dynamic_update_slice(x, u, [zero, b.constant(pos, "s64"), zero], name="new"))
+    b.computation.root.sharding = _spec((None, None, None))
+    check_numerics(m, [torch.randn(6, 2, 1), torch.randn(6, 1, 1)])
