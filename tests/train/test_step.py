@@ -146,3 +146,9 @@ def test_collectives_of_data_parallel_and_fsdp():
     assert set(kinds[False]) == {"all-reduce"} and kinds[False]["all-reduce"].count == 5  # 4 gradients + loss
     assert {"all-gather", "reduce-scatter"} <= set(kinds[True])
     assert kinds[True]["all-reduce"].bytes_per_device < 64  # only the scalar loss is all-reduced
+
+
+def test_uneven_batch_and_sequence_with_fsdp_tp_and_sp():
+    """Batch 3 over dp=2 and sequence 6 over tp=2 (with SP), parameters also FSDP-sharded over dp."""
+    _check(Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4"), *_adamw(), plan=gpt_plan(sequence_parallel=True),
+           fsdp=True, batch=3, seq=6)
