@@ -117,7 +117,7 @@ class TrainStep:
         self._check_state()
         placed = self.place_batch(batch)
         leaves, tree = torch.utils._pytree.tree_flatten(placed)
-        key = (tree, tuple((tuple(x.shape), x.dtype) for x in leaves))
+        key = (tree, tuple((tuple(x.shape), x.dtype, x.sharding) for x in leaves))
         compiled = self._compiled.get(key)
         if compiled is None:
             with _activation_hooks(self.module, self.plan) if self.plan is not None else _null():
