@@ -201,10 +201,15 @@ def lower_function(jitted, args: tuple):
     # shardings themselves keep the names, so two layouts the text confuses get separate entries.
     layouts = tuple(p.sharding for p in module.entry.parameters) + tuple(
         o.sharding for o in (root.operands if root.opcode == "tuple" else [root]))
-    key = (print_module(module), layouts, mesh, jitted.options, jitted.donate_argnums, repr(static))
+    key = (print_module(module), layouts, mesh, jitted.options, jitted.donate_argnums, jitted.weight_argnums,
+           repr(static))
     out_avals = [(torch.Size(o.shape.dims), o.shape.torch_dtype)
                  for o in (root.operands if root.opcode == "tuple" else [root])]
-    result = run_pipeline(module, jitted.options)
+    from spmd.compiled import donated_leaves
+
+    donated = donated_leaves(jitted.donate_argnums, arg_tree, static)
+    weights = frozenset(donated_leaves(jitted.weight_argnums, arg_tree, static)) - frozenset(donated)
+    result = run_pipeline(module, jitted.options, weights=weights)
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
