@@ -87,8 +87,8 @@ class TrainStep:
         self.batch_axis = batch_axis
         self.state_specs = {"step": PartitionSpec(), **{s: dict(param_specs) for s in optimizer.slots()}}
         self.params = params
-        init = optimizer.init({k: torch.empty(0) for k in params})  # keys only; buffers below
-        self.opt_state = {"step": device_put(init["step"], NamedSharding(mesh, PartitionSpec()))}
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.opt_state = {"step": device_put(torch.zeros((), dtype=torch.float32), replicated)}
         for slot in optimizer.slots():
             self.opt_state[slot] = {k: _zeros_like(v) for k, v in params.items()}
         self._jitted = jit(fn, mesh=mesh, in_shardings=(param_specs, self.state_specs, None),
