@@ -140,7 +140,9 @@ def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:
 
     ``flat_fn`` takes tensors positionally and returns a tuple of tensors.
     """
-    with fx_traceback.preserve_node_meta(), _JointMode():
+    # The program's gradients do not depend on the caller's grad mode (a jitted step called under
+    # torch.no_grad() still trains); grad-mode changes inside flat_fn are traced as written.
+    with fx_traceback.preserve_node_meta(), _JointMode(), torch.enable_grad():
         graph = _make_fx(flat_fn)(*examples)
 
     def replay(*xs):
