@@ -156,7 +156,20 @@ def import_program(fn_or_module, args, kwargs: dict | None = None, name: str | N
         name = getattr(fn_or_module, "__name__", type(fn_or_module).__name__)
     name = re.sub(r"\W", "_", name)
     if isinstance(fn_or_module, torch.nn.Module) or kwargs:
-        return _convert(export_program(fn_or_module, tuple(args), kwargs), name)
+        # export itself sets requires_grad on a module's fake parameters: only explicit requests count
+        det = GradDetector(count_setter=False)
+        try:
+            with det:
+                ep = export_program(fn_or_module, tuple(args), kwargs)
+        except Exception:
+            if not det.seen:
+                raise
+        if det.seen:
+            raise UnsupportedOpError(
+                f"{name}: gradients taken inside an nn.Module's forward (or with keyword arguments) cannot be "
+                "traced; take them in a function of positional tensors, e.g. torch.func.grad_and_value over "
+                "torch.func.functional_call(module, params, inputs)")
+        return _convert(ep, name)
     det = GradDetector()
     user_fn = _traceable(fn_or_module)  # keeps the user's frames in node stack traces
 
