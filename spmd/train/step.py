@@ -24,7 +24,7 @@ from spmd.mesh import Mesh
 from spmd.models.plans import Plan, resolve_plan
 from spmd.parallelize import _activation_hooks
 from spmd.passes.pipeline import CompileOptions
-from spmd.sharding import NamedSharding, PartitionSpec
+from spmd.sharding import NamedSharding, PartitionSpec, check_spec
 from spmd.train.optim import Optimizer, check_hyper, clip_grad_norm
 from spmd.train.state import load_state, save_state
 
@@ -226,6 +226,8 @@ def _param_specs(module: nn.Module, mesh: Mesh, plan) -> dict[str, PartitionSpec
         bad = [k for k, v in plan.items() if not isinstance(v, PartitionSpec)]
         if bad:
             raise TypeError(f"plan[{bad[0]!r}]: expected a PartitionSpec, got {type(plan[bad[0]]).__name__}")
+        for k, p in module.named_parameters():
+            check_spec(mesh, plan[k], shape=tuple(p.shape), argname=f"plan[{k!r}]")
         return {k: plan[k] for k in names}
     raise TypeError(f"plan: expected a Plan, a dict {{parameter name: PartitionSpec}} or None, "
                     f"got {type(plan).__name__}")

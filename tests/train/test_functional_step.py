@@ -117,6 +117,10 @@ def test_state_sharding_mismatching_its_parameter():
     (dict(optimizer=SGD(), clip_grad_norm="1"), TypeError, "clip_grad_norm must be a number"),
     (dict(optimizer=SGD(), plan={"0.weight": P()}), ValueError, r"unmatched parameter\(s\) \['0.bias'"),
     (dict(optimizer=SGD(), fsdp=True, dp_axis="data"), ValueError, "fsdp: needs dp_axis"),
+    (dict(optimizer=SGD(), plan={"0.weight": P(None, "tp"), "0.bias": P(), "2.weight": P(), "2.bias": P()}), ValueError,
+     r"plan\['0.weight'\]: unknown mesh axis 'tp'"),
+    (dict(optimizer=SGD(), plan={"0.weight": P(), "0.bias": P(None, "dp"), "2.weight": P(), "2.bias": P()}), ValueError,
+     r"plan\['0.bias'\]: P\(None, 'dp'\) has 2 entries but the array has 1 dims"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     kwargs = {"plan": None, **kwargs}
