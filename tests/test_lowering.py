@@ -39,3 +39,12 @@ def test_argnums_past_the_arguments_are_a_value_error(name):
     f = spmd.jit(_ident, mesh=mesh, in_shardings=(P(),), out_shardings=P(), **{name: (3,)})
     with pytest.raises(ValueError, match=rf"{name}: argument 3 does not exist; the function was called with 1 "):
         f(torch.randn(4, 6))
+
+
+def test_a_shape_error_names_the_cause_first_and_prints_no_traceback(capfd):
+    mesh = spmd.Mesh.create({"tp": 2}, devices="cpu:2")
+    f = spmd.jit(lambda a, b: a @ b, mesh=mesh, in_shardings=(P(), P()), out_shardings=P())
+    with pytest.raises(ValueError, match=r"tracing failed: a and b must have same reduction dim.*\(argument shapes "
+                                         r"args\[0\]: \(4, 4\), args\[1\]: \(5, 4\)\)"):
+        f(torch.randn(4, 4), torch.randn(5, 4))
+    assert "Traceback" not in capfd.readouterr().err
