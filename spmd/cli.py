@@ -238,6 +238,10 @@ def cmd_run(args, console: Console) -> int:
     axes = parse_mesh(args.mesh)
     if args.tp_axis not in axes:
         raise CliError(f"--mesh: expected a {args.tp_axis!r} axis (tensor parallel), got {args.mesh!r}")
+    unused = [a for a in axes if a not in (args.tp_axis, "dp")]
+    if unused:
+        raise CliError(f"--mesh: axis {unused[0]!r} is not used by spmd run; expected axes dp and/or "
+                       f"{args.tp_axis}, got {args.mesh!r}")
     mesh = make_mesh(axes, args.device)
     dp_axis = "dp" if "dp" in axes else None
     if dp_axis and args.batch % axes["dp"]:

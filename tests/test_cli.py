@@ -51,6 +51,7 @@ def test_help_is_short(capsys):
     (("run", "--model", "bert", "--mesh", "tp=2"), "invalid choice: 'bert'"),
     (("run", "--model", "gpt3-layer", "--mesh", "tp2", "--device", "cpu"), "--mesh: expected axis=size"),
     (("run", "--model", "gpt3-layer", "--mesh", "tp=5", "--device", "cpu"), "96 heads"),
+    (("run", "--model", "gpt3-layer", "--mesh", "tp=2,pp=2", "--device", "cpu"), "axis 'pp' is not used by spmd run"),
     (("run", "--model", "llama3-70b-layer", "--mesh", "tp=16", "--device", "cpu"), "k_proj: 8 heads"),
     (("run", "--model", "minilm", "--mesh", "tp=8", "--device", "cpu"), "12 heads"),
     (("run", "--model", "gpt3-layer", "--mesh", "dp=2", "--device", "cpu"), "expected a 'tp' axis"),
