@@ -73,6 +73,7 @@ from typing import Any
 import torch
 
 from spmd import metrics
+from spmd.runtime import graphs_donation as gd
 from spmd.runtime.graphs_binding import (  # noqa: F401  (_ready_per_device: tests)
     _Binding,
     _OutputSet,
@@ -82,7 +83,6 @@ from spmd.runtime.graphs_binding import (  # noqa: F401  (_ready_per_device: tes
     _staged_binding,
     _use_count,
 )
-from spmd.runtime.graphs_donation import DONOR_HELD, STAGED_BYTES, STAGED_COPIES, DonorBuffers, aliased_outputs
 from spmd.runtime.graphs_host import HostReplayBackend  # noqa: F401  (re-exported: tests, CPU debugging)
 from spmd.runtime.kernels_fusion import graph_warmup
 
@@ -258,7 +258,7 @@ class GraphRunner:
         self._warm_threads: set[int] = set()
         self._bound: list[_Binding] = []
         self._key: frozenset[int] = frozenset()      # the donated set the bindings were made for
-        self._donors: DonorBuffers | None = None     # donated static buffers that outputs are written into
+        self._donors: gd.DonorBuffers | None = None     # donated static buffers that outputs are written into
         self.staged_copies = 0
         self.staged_bytes = 0
         self._adopted: list[tuple[int, _Binding]] = []
@@ -307,7 +307,7 @@ class GraphRunner:
         if trace is not None or self.disabled_reason is not None:
             if trace is not None:
                 metrics.counter("cuda_graphs.eager_call.trace").inc()
-            return ex.run(args, arg_ready, donated, trace)
+            return self._eager(args, arg_ready, donated, trace)
         ex._check_args(args)
         return self.run_checked(args, arg_ready, donated)
 
@@ -333,8 +333,8 @@ class GraphRunner:
                 self._rebind(args, donated)
                 copies = self._copies(args) if self._staged else self._no_copies
                 if copies is None:  # another tensor donated while a live output holds the static buffer
-                    DONOR_HELD.inc()
-                    return ex.run(args, arg_ready, donated)
+                    gd.DONOR_HELD.inc()
+                    return self._eager(args, arg_ready, donated)
                 out_set, clone = self._select(args, arg_ready)
             except CaptureError as e:
                 self._disable("capture_error", f"{type(e.__cause__).__name__}: {e.__cause__}")
@@ -342,6 +342,15 @@ class GraphRunner:
             _REPLAY.inc()
             ready = self._no_ready if arg_ready is None else _ready_per_device(arg_ready, len(self._no_ready))
             return self.backend.launch(out_set.captured, copies, ready, clone)
+
+    def _eager(self, args: Sequence[Sequence[Tensor]], arg_ready: Any, donated: frozenset[int],
+               trace: Any = None) -> tuple[list[list[Tensor]], list[Any]]:
+        """``Executable.run`` while graphs are bound; it may write a donated static buffer (when
+        passed one), so the caller's streams wait for it before a later copy into that buffer."""
+        outs, ready = self.executable.run(args, arg_ready, donated, trace)
+        if self._donors is not None:
+            gd.order_after(ready, self.executable.devices)
+        return outs, ready
 
     def close(self) -> None:
         """Wait for the devices, drop every graph and static buffer, release the memory pools.
@@ -367,8 +376,8 @@ class GraphRunner:
         bound = [self._initial(i, per, key) for i, per in enumerate(args)]
         self._set_bound(bound)
         self._key = key
-        aliased = aliased_outputs(self.executable._variant(key)[0]) if key else {}
-        self._donors = DonorBuffers(aliased, {i: bound[i].tensors for i in aliased.values()}) if aliased else None
+        aliased = gd.aliased_outputs(self.executable._variant(key)[0]) if key else {}
+        self._donors = gd.DonorBuffers(aliased, {i: bound[i].tensors for i in aliased.values()}) if aliased else None
 
     def _set_bound(self, bound: list[_Binding]) -> None:
         self._bound = bound
@@ -426,8 +435,8 @@ class GraphRunner:
         if n:
             self.staged_copies += n
             self.staged_bytes += nbytes
-            STAGED_COPIES.inc(n)
-            STAGED_BYTES.inc(nbytes)
+            gd.STAGED_COPIES.inc(n)
+            gd.STAGED_BYTES.inc(nbytes)
         return copies
 
     # ------------------------------------------------------------------ output sets

@@ -77,6 +77,17 @@ class DonorBuffers:
         return all(_use_count(r) <= b for r, b in zip(self._refs[i], self._baseline[i], strict=True))
 
 
+def order_after(ready: Sequence[Any], devices: Sequence[Any]) -> None:
+    """The caller's current stream of each device waits for ``ready[k]`` (CUDA events or None).
+
+    After an eager call that may have written a donated static buffer on the executable's own
+    streams: a later copy into that buffer, issued on the caller's stream, comes after it.
+    """
+    for ev, dev in zip(ready, devices, strict=False):
+        if ev is not None:
+            torch.cuda.current_stream(dev).wait_event(ev)
+
+
 def donor_views(program: Any, static_args: Sequence[Sequence[Tensor]]) -> dict[int, list[Tensor]]:
     """Output index -> the per-device static buffers it is written into (``output_donors``)."""
     return {j: list(static_args[i]) for j, i in enumerate(program.output_donors) if i >= 0}
