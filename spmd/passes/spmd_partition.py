@@ -33,6 +33,7 @@ from typing import ClassVar
 from spmd.ir.hlo import ASYNC_DONE_OPCODES, ASYNC_START_OPCODES, COLLECTIVE_OPCODES, Computation, Instruction, Module
 from spmd.ir.sharding import TensorSharding
 from spmd.passes.partition_iota import partition_iota
+from spmd.passes.partition_scan import partition_custom_call
 from spmd.passes.propagate_sharding import PropagateSharding
 from spmd.passes.reshard import IDENTITY, Emitter, local_shape, mask_padding, normalize, reshard
 from spmd.passes.sharding_rules import Plan, dot_dims, gather_dims, plan, reduce_kind
@@ -229,6 +230,7 @@ def _is_constant(inst: Instruction, value) -> bool:
 
 _HANDLERS = {
     "iota": partition_iota,
+    "custom-call": partition_custom_call,
     "dot": _Partitioner._dot,
     "reduce": _Partitioner._reduce,
     "gather": _Partitioner._gather,
