@@ -196,11 +196,20 @@ def lower_function(jitted, args: tuple):
     out_tree = holder["out_tree"]
     _name_parameters(module, jitted.fn, [paths[i] for i in tensor_idx])
     _annotate(module, mesh, in_leaves + _rng_key_leaves(program, mesh), jitted.out_shardings, out_tree)
-    key = (print_module(module), mesh, jitted.options, jitted.donate_argnums, repr(static))
     root = module.entry.root
+    # The text drops axes of size 1 from shardings (P("tp") and P() print alike on {tp=1}); the
+    # shardings themselves keep the names, so two layouts the text confuses get separate entries.
+    layouts = tuple(p.sharding for p in module.entry.parameters) + tuple(
+        o.sharding for o in (root.operands if root.opcode == "tuple" else [root]))
+    key = (print_module(module), layouts, mesh, jitted.options, jitted.donate_argnums, jitted.weight_argnums,
+           repr(static))
     out_avals = [(torch.Size(o.shape.dims), o.shape.torch_dtype)
                  for o in (root.operands if root.opcode == "tuple" else [root])]
-    result = run_pipeline(module, jitted.options)
+    from spmd.compiled import donated_leaves
+
+    donated = donated_leaves(jitted.donate_argnums, arg_tree, static)
+    weights = frozenset(donated_leaves(jitted.weight_argnums, arg_tree, static)) - frozenset(donated)
+    result = run_pipeline(module, jitted.options, weights=weights)
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered

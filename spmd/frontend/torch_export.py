@@ -31,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 import spmd.frontend.aten_conv_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_random_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
@@ -39,6 +40,7 @@ import spmd.frontend.aten_update_ops  # noqa: F401  (registers converters)
 from spmd.frontend.aten_common import ATEN_OPS, Missing, UnsupportedOpError, bind_args
 from spmd.frontend.aten_random_ops import rng_key_parameter
 from spmd.frontend.emitter import Emitter, dtype_of
+from spmd.frontend.joint import GradDetector, import_joint
 from spmd.frontend.mutations import data_dependent_hint, user_output_nodes
 from spmd.ir.hlo import Computation, Instruction, Module, Shape, SourceLocation
 
@@ -106,7 +108,18 @@ def _traceable(fn):
 
 
 def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
-    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed."""
+    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed.
+
+    Thread-safe: export uses process-global dispatch modes, so traces run one at a time
+    (``spmd.compile_lock``).
+    """
+    from spmd.compile_lock import COMPILE_LOCK
+
+    with COMPILE_LOCK:
+        return _export(fn_or_module, args, kwargs)
+
+
+def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
     mod = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else _FnModule(fn_or_module)
     try:
         ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
@@ -135,10 +148,27 @@ def import_program(fn_or_module, args, kwargs: dict | None = None, name: str | N
       UnsupportedOpError (a TypeError): an op without conversion; the message names the ATen
         op and the user's file:line.
     """
-    ep = export_program(fn_or_module, tuple(args), kwargs)
     if name is None:
         name = getattr(fn_or_module, "__name__", type(fn_or_module).__name__)
-    return _convert(ep, re.sub(r"\W", "_", name))
+    name = re.sub(r"\W", "_", name)
+    if isinstance(fn_or_module, torch.nn.Module) or kwargs:
+        return _convert(export_program(fn_or_module, tuple(args), kwargs), name)
+    det = GradDetector()
+    user_fn = _traceable(fn_or_module)  # keeps the user's frames in node stack traces
+
+    @functools.wraps(fn_or_module)
+    def detecting(*xs):
+        with det:
+            return user_fn(*xs)
+
+    try:
+        ep = export_program(detecting, tuple(args))
+    except Exception:
+        if not det.seen:
+            raise
+    if det.seen:  # the program takes gradients: trace forward + backward as one joint graph
+        return import_joint(fn_or_module, tuple(args), name)
+    return _convert(ep, name)
 
 
 # --------------------------------------------------------------------------- conversion
