@@ -32,7 +32,7 @@ from typing import ClassVar
 
 from spmd.ir.hlo import ASYNC_DONE_OPCODES, ASYNC_START_OPCODES, COLLECTIVE_OPCODES, Computation, Instruction, Module
 from spmd.ir.sharding import TensorSharding
-from spmd.passes.partition_index import partition_gather, partition_scatter
+from spmd.passes.partition_index import partition_dus, partition_gather, partition_scatter
 from spmd.passes.partition_iota import partition_iota
 from spmd.passes.partition_scan import partition_custom_call
 from spmd.passes.propagate_sharding import PropagateSharding
@@ -226,6 +226,7 @@ _HANDLERS = {
     "reduce": _Partitioner._reduce,
     "gather": partition_gather,
     "scatter": partition_scatter,
+    "dynamic-update-slice": partition_dus,
     "dynamic-slice": _Partitioner._dynamic_slice,
     "slice": _Partitioner._slice,
 }
