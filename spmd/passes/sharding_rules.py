@@ -284,7 +284,7 @@ def _custom_call(inst, current, out, mesh) -> Plan:
     if spec.rule == "sharding-constraint":
         want = inst.sharding if inst.sharding is not None else (out if out is not None else current[0])
         return Plan((want,), want)
-    if spec.rule == "elementwise":
+    if spec.rule in ("elementwise", "scan"):  # a scan along a sharded dim: spmd.passes.partition_scan
         return _elementwise(inst, current, out)
     if spec.rule == "convolution":
         return plan_conv1d(inst, current, out, mesh)

@@ -34,6 +34,7 @@ from spmd.ir.hlo import ASYNC_DONE_OPCODES, ASYNC_START_OPCODES, COLLECTIVE_OPCO
 from spmd.ir.sharding import TensorSharding
 from spmd.passes.partition_index import partition_dus, partition_gather, partition_scatter
 from spmd.passes.partition_iota import partition_iota
+from spmd.passes.partition_scan import partition_custom_call
 from spmd.passes.propagate_sharding import PropagateSharding
 from spmd.passes.reshard import IDENTITY, Emitter, local_shape, mask_padding, normalize, reshard
 from spmd.passes.sharding_rules import Plan, dot_dims, plan, reduce_kind
@@ -220,6 +221,7 @@ def _is_constant(inst: Instruction, value) -> bool:
 
 _HANDLERS = {
     "iota": partition_iota,
+    "custom-call": partition_custom_call,
     "dot": _Partitioner._dot,
     "reduce": _Partitioner._reduce,
     "gather": partition_gather,
