@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 import spmd.frontend.aten_conv_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_more_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_random_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
@@ -255,9 +256,16 @@ def _lookup(env: dict, loc: SourceLocation):
     return get
 
 
+#: ATen ops that read a tensor's value into a Python number (``.item()``, ``int(t)``).
+_HOST_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default})
+
+
 def _convert_node(em: Emitter, node: torch.fx.Node, env: dict) -> Any:
     loc = location_of(node)
     conv = ATEN_OPS.get(node.target)
+    if conv is None and node.target in _HOST_READS:
+        raise ValueError(f"{data_dependent_hint()}; `.item()` (or a Python int/float/bool of a tensor) at "
+                         f"{_where(loc)} reads a value a compiled program cannot return to Python while tracing")
     if conv is None:
         raise UnsupportedOpError(f"unsupported operation {loc.op_name} at {_where(loc)}: "
                                  "no conversion to HLO-lite")
