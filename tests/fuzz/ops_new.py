@@ -106,7 +106,45 @@ def op_slice_assign(b: Builder) -> None:
     b.emit(None, stmts=("{name} = " + f"{a.name}.clone()", "{name}" + f"[{index}] = {src}"))
 
 
+def op_log1p_expm1(b: Builder) -> None:
+    a = b.pick_float()
+    form = b.d.choice(("torch.log1p({a}.abs())", "torch.expm1({a}.tanh())", "{a}.abs().log1p() * {a}"))
+    b.emit(form.format(a=a.name))
+
+
+def op_prod(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    base = f"(1 + 0.25 * {a.name}.tanh())"
+    if b.d.boolean(0.3):
+        b.emit(f"{base}.prod()")
+    else:
+        b.emit(f"{base}.prod(dim={rand_dim(b, a)}, keepdim={b.d.boolean()})")
+
+
+def op_any_all(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    fn = b.d.choice(("any", "all"))
+    cut = b.d.choice(("0", "0.5", "-0.5"))
+    dim = "" if b.d.boolean(0.3) else f"dim={rand_dim(b, a)}, keepdim={b.d.boolean()}"
+    b.emit(f"({a.name} > {cut}).{fn}({dim}).to({a.name}.dtype)")
+
+
+def op_flip(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    dims = sorted({rand_dim(b, a) % a.rank for _ in range(b.d.integer(1, a.rank))})
+    b.emit(f"torch.flip({a.name}, {tuple(dims)})")
+
+
+def op_pad(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    n = b.d.integer(1, min(a.rank, 3))
+    pad = [b.d.integer(-1 if a.shape[a.rank - 1 - k // 2] > 2 else 0, 2) for k in range(2 * n)]
+    b.emit(f"F.pad({a.name}, {tuple(pad)}, value={b.d.choice(('0.0', '1.5', '-2.0'))})")
+
+
 NEW_OPS = (
     ("argmax", op_argmax, 1), ("topk_sort", op_topk_sort, 1), ("cumsum", op_cumsum, 1), ("gather", op_gather, 1),
     ("one_hot", op_one_hot, 1), ("cross_entropy", op_cross_entropy, 1), ("slice_assign", op_slice_assign, 1),
+    ("log1p_expm1", op_log1p_expm1, 1), ("prod", op_prod, 1), ("any_all", op_any_all, 1), ("flip", op_flip, 1),
+    ("pad", op_pad, 1),
 )
