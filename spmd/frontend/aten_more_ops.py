@@ -110,3 +110,61 @@ def _fill_value(em: Emitter, value: Any, dtype: str) -> Instruction:
     if isinstance(value, Instruction):
         raise UnsupportedOpError("F.pad: a tensor pad value is not supported; pass a Python number")
     return em.scalar(value if value is not None else 0, dtype)
+
+
+# --------------------------------------------------------------------------- order statistics
+def _order_statistic(em: Emitter, x: Instruction, d: int, k: int, nan_first: bool) -> tuple[Instruction, Instruction]:
+    """Value and s64 index of the ``k``-th smallest (0-based) element along ``d``, kept as a size-1 dim.
+
+    A stable ascending sort (custom call ``sort``, NaN last as in PyTorch) then a slice at ``k``;
+    with ``nan_first`` (median) a row holding a NaN answers NaN and the index of its first NaN.
+    """
+    from spmd.frontend.aten_sort_ops import arg_reduce
+
+    config = {"dim": d, "descending": False, "stable": True}
+    dims = x.shape.dims
+    values = em.custom_call("sort", [x], Shape(x.shape.dtype, dims), {**config, "output": "values"})
+    idx = em.custom_call("sort", [x], Shape("s64", dims), {**config, "output": "indices"})
+    spec = [(k, k + 1, 1) if i == d else (0, n, 1) for i, n in enumerate(dims)]
+    v, i = em.slice(values, spec), em.slice(idx, spec)
+    if nan_first and x.shape.dtype.startswith(("f", "bf")):
+        isnan = em.compare(x, x, "NE")
+        kept = v.shape.dims
+        has_nan = em.reshape(em.reduce(isnan, (d,), "or"), kept)
+        _, first = arg_reduce(em, em.convert(isnan, "s32"), d, "maximum")
+        first = em.reshape(em.convert(first, "s64"), kept)
+        v = em.select(has_nan, em.scalar(float("nan"), x.shape.dtype, kept), v)
+        i = em.select(has_nan, first, i)
+    return v, i
+
+
+def _stat_args(em: Emitter, a: dict) -> tuple[Instruction, int]:
+    x = a["self"]
+    x = em.reshape(x, (1,)) if x.shape.rank == 0 else x
+    return x, norm_dim(a.get("dim", -1), x.shape.rank)
+
+
+@register(aten.kthvalue.default)
+def _kthvalue(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
+    """``torch.kthvalue(x, k, dim, keepdim)``: the k-th smallest (1-based) value and its index."""
+    x, d = _stat_args(em, a)
+    k = int(a["k"])
+    if not 1 <= k <= x.shape.dims[d]:
+        raise ValueError(f"kthvalue: expected k in [1, {x.shape.dims[d]}] (the size of dim {d}), got {k}")
+    v, i = _order_statistic(em, x, d, k - 1, nan_first=False)
+    return em.reshape(v, out_dims(val[0])), em.reshape(i, out_dims(val[1]))
+
+
+@register(aten.median.dim)
+def _median_dim(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
+    """``x.median(dim, keepdim)``: the lower of the two middle values (PyTorch's), NaN if the row has one."""
+    x, d = _stat_args(em, a)
+    v, i = _order_statistic(em, x, d, (x.shape.dims[d] - 1) // 2, nan_first=True)
+    return em.reshape(v, out_dims(val[0])), em.reshape(i, out_dims(val[1]))
+
+
+@register(aten.median.default)
+def _median(em: Emitter, a: dict, val) -> Instruction:
+    x = em.reshape(a["self"], (a["self"].shape.numel,))
+    v, _ = _order_statistic(em, x, 0, (x.shape.dims[0] - 1) // 2, nan_first=True)
+    return em.reshape(v, ())

@@ -1,4 +1,5 @@
-"""log1p/expm1, prod, any/all, flip and F.pad (constant) through ``spmd.jit`` on CPU meshes, with the
+"""log1p/expm1, prod, any/all, flip, F.pad (constant/reflect/replicate/circular), kthvalue and median
+through ``spmd.jit`` on CPU meshes, with the
 op's dims sharded (uneven too), against PyTorch eager in float64; ``.item()`` is a user error."""
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ OPS = {
     "flip01": lambda t: torch.flip(t, (-1, 0)) * 2,
     "pad_const": lambda t: F.pad(t, (1, 2, 3, 0), value=1.5),
     "pad_crop": lambda t: F.pad(t, (-1, 2)),
+    "pad_reflect": lambda t: F.pad(t[None], (2, 1, 1, 2), mode="reflect")[0],
+    "pad_replicate": lambda t: F.pad(t[None], (0, 3, 2, 1), mode="replicate")[0],
+    "pad_circular": lambda t: F.pad(t[None], (1, 2), mode="circular")[0],
+    "kthvalue": lambda t: t.kthvalue(2, 1).values + t.kthvalue(3, 1).indices,
+    "median_dim": lambda t: t.median(0, keepdim=True).indices * t.median(0, keepdim=True).values,
+    "median_all": lambda t: t.median(),
 }
 
 
@@ -64,8 +71,18 @@ def test_matches_eager_float64_with_dims_sharded(mesh_name, op, shape):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{op} {spec}")
 
 
+def _with_nans(x):
+    x = torch.cat([x, x[:, :3] * 2], 1)
+    x[1, 2] = x[1, 4] = x[2, 0] = float("nan")
+    return x
+
+
+def _distinct_ints():
+    return torch.randperm(24, generator=torch.Generator().manual_seed(1)).reshape(4, 6)
+
+
 def test_dtypes_and_edge_cases_on_one_device():
-    x = torch.randn(3, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     b = x > 0
     u = (x > 0).to(torch.uint8)
     cases = [
@@ -74,14 +91,16 @@ def test_dtypes_and_edge_cases_on_one_device():
         (lambda t: (t.prod(0), t.prod()), (x * 3).to(torch.int64)),
         (lambda t: (torch.log1p(t), torch.expm1(t)), torch.tensor([1e-12, -1e-9, 0.0, 3.0], dtype=torch.float64)),
         (lambda t: (t.flip(0), F.pad(t, (0, 0)), F.pad(t, (2, -1, -1, 1), value=-2.0)), x),
-        (lambda t: (t.flip(()), t.prod(), t.any()), torch.tensor(1.5, dtype=torch.float64)),
+        (lambda t: (t.flip(()), t.prod(), t.any(), t.median(), *t.kthvalue(1)), torch.tensor(1.5, dtype=torch.float64)),
+        (lambda t: (*t.median(1), t.median(), *t.median(0), *t.kthvalue(3, 1)), _with_nans(x)),
+        (lambda t: (*t.median(1), *t.kthvalue(2, 0, keepdim=True)), _distinct_ints()),
     ]
     for fn, arg in cases:
         _, got = run_imported(fn, (arg,))
         want = fn(arg)
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
 def test_item_inside_a_jitted_function_is_a_helpful_value_error():
