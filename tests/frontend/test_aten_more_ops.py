@@ -1,5 +1,5 @@
-"""log1p/expm1, prod, any/all, flip, F.pad (constant/reflect/replicate/circular), kthvalue and median
-through ``spmd.jit`` on CPU meshes, with the
+"""log1p/expm1, prod, any/all, flip, F.pad (constant/reflect/replicate/circular), kthvalue, median,
+cummax and cummin through ``spmd.jit`` on CPU meshes, with the
 op's dims sharded (uneven too), against PyTorch eager in float64; ``.item()`` is a user error."""
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ OPS = {
     "kthvalue": lambda t: t.kthvalue(2, 1).values + t.kthvalue(3, 1).indices,
     "median_dim": lambda t: t.median(0, keepdim=True).indices * t.median(0, keepdim=True).values,
     "median_all": lambda t: t.median(),
+    "cummax_cummin": lambda t: t.cummax(1).values + t.cummin(0).indices,
 }
 
 
@@ -94,6 +95,9 @@ def test_dtypes_and_edge_cases_on_one_device():
         (lambda t: (t.flip(()), t.prod(), t.any(), t.median(), *t.kthvalue(1)), torch.tensor(1.5, dtype=torch.float64)),
         (lambda t: (*t.median(1), t.median(), *t.median(0), *t.kthvalue(3, 1)), _with_nans(x)),
         (lambda t: (*t.median(1), *t.kthvalue(2, 0, keepdim=True)), _distinct_ints()),
+        (lambda t: (*t.cummax(1), *t.cummin(0)), _with_nans(x)),
+        (lambda t: (*t.cummax(1), *t.cummin(-1)), (x * 2).round()),  # ties
+        (lambda t: (*t.cummax(0), *t.cummin(0)), torch.tensor(2.5, dtype=torch.float64)),
     ]
     for fn, arg in cases:
         _, got = run_imported(fn, (arg,))

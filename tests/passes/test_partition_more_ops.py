@@ -3,7 +3,8 @@
 
 A product reduce over a sharded dim gathers that dim (multiply is not a splittable reducer in
 ``spmd.passes.sharding_rules``); flip is a rows-form gather, partitioned as a masked per-shard
-gather plus an all-reduce; pad along a sharded dim replicates the padded dim.
+gather plus an all-reduce; pad along a sharded dim replicates the padded dim; cummax along a
+sharded dim gathers it (the sort rule).
 """
 
 from __future__ import annotations
@@ -116,6 +117,33 @@ ENTRY %main (x: f32[3,2]) -> f32[3,2] {
 """
 
 
+CUMMAX_IN = """HloModule cummax, num_partitions=2, mesh={tp=2}
+
+ENTRY %main (x: f32[3,5]) -> s64[3,5] {
+  %x = f32[3,5] parameter(0), sharding={devices=[1,2]<=[2]}
+  ROOT %c = s64[3,5] custom-call(%x), custom_call_target="cummax", backend_config={"dim":1,"output":"indices"}, sharding={devices=[1,2]<=[2]}
+}
+"""
+
+CUMMAX_OUT = """HloModule cummax, num_partitions=2, mesh={tp=2}, is_partitioned=true
+
+ENTRY %main (x: f32[3,3]) -> s64[3,3] {
+  %x = f32[3,3] parameter(0), sharding={devices=[1,2]<=[2]}
+  %all-gather = f32[3,6] all-gather(%x), dimensions={1}, replica_groups={{0,1}}, sharding={replicated}
+  %slice = f32[3,5] slice(%all-gather), slice={[0:3:1], [0:5:1]}, sharding={replicated}
+  %c = s64[3,5] custom-call(%slice), custom_call_target="cummax", backend_config={"dim":1,"output":"indices"}, sharding={replicated}
+  %constant = s64[] constant(0)
+  %pad = s64[3,6] pad(%c, %constant), padding=0_0_0x0_1_0, sharding={replicated}
+  %constant.1 = s32[] constant(0)
+  %partition-id = u32[] partition-id()
+  %pid = s32[] convert(%partition-id)
+  %constant.2 = s32[] constant(3)
+  %multiply = s32[] multiply(%pid, %constant.2)
+  ROOT %dynamic-slice = s64[3,3] dynamic-slice(%pad, %constant.1, %multiply), dynamic_slice_sizes={3,3}, sharding={devices=[1,2]<=[2]}
+}
+"""
+
+
 def _x(shape):
     return torch.rand(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).float() + 0.5
 
@@ -123,7 +151,8 @@ def _x(shape):
 @pytest.mark.parametrize("text,out,shape,ref", [
     (PROD_IN, PROD_OUT, (3, 5), lambda x: torch.log1p(x).prod(1)),
     (FLIP_PAD_IN, FLIP_PAD_OUT, (5, 2), lambda x: torch.nn.functional.pad(x.flip(0), (0, 0, 1, 0))),
-], ids=["prod_log1p", "flip_pad"])
+    (CUMMAX_IN, CUMMAX_OUT, (3, 5), lambda x: x.cummax(1).indices),
+], ids=["prod_log1p", "flip_pad", "cummax_gathers_the_scanned_dim"])
 def test_golden_partitioned_text_and_numerics(text, out, shape, ref):
     assert print_module(parse_module(text)) == text
     pm = SpmdPartition().run(parse_module(text))
