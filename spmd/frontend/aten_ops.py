@@ -253,10 +253,22 @@ def _keep(em: Emitter, r: Instruction, val) -> Instruction:
     return em.reshape(r, out_dims(val))
 
 
+def _kept(em: Emitter, r: Instruction, x: Instruction, dims: tuple[int, ...], keepdim: bool) -> Instruction:
+    """``r`` (``x`` reduced over ``dims``, those dims removed) with size-1 dims back when ``keepdim``.
+
+    The result shape comes from the arguments, not from the traced value: torch 2.11's meta
+    function of ``linalg_vector_norm`` kept a size-1 reduced dim given as a negative index.
+    """
+    if not keepdim:
+        return r
+    return em.reshape(r, tuple(1 if i in dims else d for i, d in enumerate(x.shape.dims)))
+
+
 @register(aten.sum.dim_IntList, aten.sum.default)
 def _sum(em: Emitter, a: dict, val) -> Instruction:
     x = em.convert(a["self"], out_dtype(val))
-    return _keep(em, em.reduce(x, norm_dims(a.get("dim"), x.shape.rank), "add"), val)
+    dims = norm_dims(a.get("dim"), x.shape.rank)
+    return _kept(em, em.reduce(x, dims, "add"), x, dims, bool(a.get("keepdim", False)))
 
 
 _HALF_TYPES = frozenset({"bf16", "f16"})
@@ -275,7 +287,7 @@ def _mean(em: Emitter, a: dict, val) -> Instruction:
     s = em.reduce(_opmath(em, x), dims, "add")
     count = math.prod(x.shape.dims[d] for d in dims)
     r = em.binary("divide", s, em.scalar(count, s.shape.dtype, s.shape.dims))
-    return _keep(em, em.convert(r, x.shape.dtype), val)
+    return _kept(em, em.convert(r, x.shape.dtype), x, dims, bool(a.get("keepdim", False)))
 
 
 def _minmax(kind: str, with_indices: bool):
@@ -308,7 +320,7 @@ def _vector_norm(em: Emitter, a: dict, val) -> Instruction:
         r = em.reduce(em.unary("abs", x), dims, "maximum")
     else:
         raise NotImplementedError(f"vector norm of order {order}")
-    return _keep(em, em.convert(r, out.shape.dtype), val)
+    return _kept(em, em.convert(r, out.shape.dtype), x, dims, bool(a.get("keepdim", False)))
 
 
 def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int, ...]]:
