@@ -44,6 +44,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     options: CompileOptions | None = None,
     reshard_inputs: bool = False,
+    weight_argnums: int | Sequence[int] = (),
 ) -> Jitted:
     """Compile ``fn`` to run SPMD over ``mesh``.
 
@@ -66,28 +67,42 @@ def jit(
       options: ``CompileOptions``.
       reshard_inputs: reshard a ``ShardedArray`` whose sharding differs from
         its in-sharding on device instead of raising ``ValueError``.
+      weight_argnums: positional arguments that hold weights (an int, a tuple or list of ints):
+        values computed only from them (merged weights, casts) are computed once per weight
+        version and cached on the devices instead of on every call, when
+        ``options.hoist_weights`` is on (``spmd.passes.hoist_weights``). A donated argument
+        is never treated as weights. Pass the same (or in-place updated) arrays again to
+        reuse the cache; ``spmd.parallelize`` names its parameters.
     Raises:
-      TypeError: ``mesh`` is not a Mesh, ``fn`` is not callable, ``donate_argnums`` is not
-        ints, ``options`` is not a ``CompileOptions`` or ``reshard_inputs`` is not a bool.
+      TypeError: ``mesh`` is not a Mesh, ``fn`` is not callable, ``donate_argnums`` or
+        ``weight_argnums`` is not ints, ``options`` is not a ``CompileOptions`` or ``reshard_inputs`` is not a bool.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an spmd.Mesh, got {type(mesh).__name__}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if donate_argnums is None:
-        donate_argnums = ()
-    if not isinstance(donate_argnums, (int, tuple, list)):
-        raise TypeError(f"donate_argnums must be an int or a tuple/list of ints (None = no donation), "
-                        f"got {type(donate_argnums).__name__} {donate_argnums!r}")
-    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    if any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in donate):
-        raise TypeError(f"donate_argnums must be non-negative ints, got {donate_argnums!r}")
+    donate = _argnums(donate_argnums, "donate_argnums", "no donation")
+    weights = _argnums(weight_argnums, "weight_argnums", "no weights")
     if options is not None and not isinstance(options, CompileOptions):
         raise TypeError(f"options must be an spmd.CompileOptions, got {type(options).__name__}")
     if not isinstance(reshard_inputs, bool):
         raise TypeError(f"reshard_inputs must be True or False, got {type_name(reshard_inputs)} "
                         f"{reshard_inputs!r}")
-    return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs)
+    return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs,
+                  weights)
+
+
+def _argnums(value, what: str, none_means: str) -> tuple[int, ...]:
+    """``value`` (None, an int, a tuple or list of ints) as a tuple; TypeError naming ``what`` otherwise."""
+    if value is None:
+        return ()
+    if not isinstance(value, (int, tuple, list)) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a tuple/list of ints (None = {none_means}), "
+                        f"got {type(value).__name__} {value!r}")
+    out = (value,) if isinstance(value, int) else tuple(value)
+    if any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in out):
+        raise TypeError(f"{what} must be non-negative ints, got {value!r}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -102,8 +117,10 @@ class _Leaf:
 class Jitted:
     """A function staged for a mesh; call it, or ``lower`` it. See ``jit``."""
 
-    def __init__(self, fn, mesh, in_shardings, out_shardings, donate_argnums, options, reshard_inputs):
+    def __init__(self, fn, mesh, in_shardings, out_shardings, donate_argnums, options, reshard_inputs,
+                 weight_argnums=()):
         self.fn = fn
+        self.weight_argnums = tuple(weight_argnums)
         self.mesh = mesh
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings

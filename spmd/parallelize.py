@@ -68,7 +68,8 @@ class ParallelModule:
             module = self.module
             fn = lambda params, *inputs: torch.func.functional_call(module, params, inputs)
             fn.__name__ = type(module).__name__
-            self._jitted[n_inputs] = jit(fn, mesh=self.mesh, in_shardings=(None, *specs), options=self.options)
+            self._jitted[n_inputs] = jit(fn, mesh=self.mesh, in_shardings=(None, *specs), options=self.options,
+                                         weight_argnums=0)
         return self._jitted[n_inputs]
 
     def _key(self, inputs) -> tuple:

@@ -1,0 +1,231 @@
+"""Run one ``Case`` through ``spmd.jit`` and judge it against PyTorch eager.
+
+Outcome classes:
+  match        every output equals the eager program (shape, dtype, sharding, values within tolerance),
+               inputs are untouched and donated arrays are dead.
+  unsupported  ``spmd.UnsupportedOpError``, or a ValueError/TypeError listed in USER_ERRORS.
+  crash        any other exception from spmd (an internal error reaching the user).
+  wrong        a wrong shape, dtype, output sharding or value, a modified input, a live donated array.
+
+Tolerance (values). Per float output, errors are measured against the program run in float64 (the
+inputs as drawn, upcast exactly; every cast in the program to F32/F64/BF16/F16 becomes float64), as
+``err(y) = max|y - ref| / max|ref|`` over the elements where ``ref`` and eager are finite. The error
+PyTorch eager itself makes in the program's own dtypes sets the bar:
+
+    est = max(err(eager), err(eager_f32) * eps(out dtype) / eps(float32))
+    pass  iff  err(spmd) <= K * est + ATOL[out dtype]
+
+``eager_f32`` (every float dtype mapped to float32) measures the program's conditioning, which the
+second term carries over to float64 outputs, where eager and the reference coincide. K = 8 allows
+the legitimate differences of a partitioned program (partial sums reduced in another order, a
+reduction split over devices, fused kernels accumulating differently) and still fails the 27x
+eager error of the bf16 partial-sum defect of issue 20; ATOL (about two ulps of the output
+type at the output's scale) covers outputs eager happens to get exactly right. Non-finite
+elements must match the reference where eager matches it; where eager overflows and the
+reference does not, the element is not compared. Integer and bool outputs must equal eager exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+import spmd
+from spmd.frontend.aten_common import UnsupportedOpError
+from tests.fuzz.case import Case, reproducer
+
+K = 8.0
+ATOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+EPS = {dt: torch.finfo(dt).eps for dt in ATOL}
+
+#: ValueError/TypeError messages that are legitimate user errors for generated programs (regexes).
+USER_ERRORS: tuple[str, ...] = ()
+
+
+@dataclass
+class Outcome:
+    """The verdict on one case: ``cls`` (see the module docstring), a short ``signature`` grouping
+    equal failures, ``detail`` (message / traceback tail), and per float output (spmd error / est)."""
+
+    cls: str
+    signature: str = ""
+    detail: str = ""
+    ratios: list[float] = field(default_factory=list)
+
+
+class Wrong(Exception):
+    """A wrong result found while checking outputs; ``kind`` names what was wrong."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+def _tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def references(case: Case, inputs: list[torch.Tensor]) -> tuple[tuple, tuple, tuple]:
+    """(eager in the program's dtypes, eager with every float dtype float32, float64 reference)."""
+    f64 = {k: torch.float64 for k in ("F32", "F64", "BF16", "F16")}
+    f32 = {k: torch.float32 for k in f64}
+    eager = _tuple(case.function()(*[t.clone() for t in inputs]))
+    e32 = _tuple(case.function(f32)(*[t.float() if t.is_floating_point() else t for t in inputs]))
+    ref = _tuple(case.function(f64)(*[t.double() if t.is_floating_point() else t for t in inputs]))
+    return eager, e32, ref
+
+
+def _mesh(case: Case) -> spmd.Mesh:
+    return spmd.Mesh.create(dict(case.mesh_axes), devices=f"{case.device}:{case.num_devices}")
+
+
+def _place(case: Case, mesh, t: torch.Tensor, i: int):
+    mode, spec, pre = case.arg_modes[i], case.in_specs[i], case.pre_specs[i]
+    ns = lambda s: spmd.NamedSharding(mesh, spmd.PartitionSpec(*(s or ())))  # noqa: E731
+    if mode == "tensor":
+        return t
+    if mode == "put":
+        return spmd.device_put(t, ns(spec))
+    a = spmd.device_put(t, ns(pre))
+    return a.reshard(ns(spec)) if mode == "reshard" else a
+
+
+def jitted(case: Case, mesh):
+    """``spmd.jit`` of the case's program with its shardings, donation and options."""
+    P = spmd.PartitionSpec
+    in_specs = tuple(None if s is None else P(*s) for s in case.in_specs)
+    out = None
+    if case.out_specs is not None:
+        outs = tuple(P(*s) for s in case.out_specs)
+        out = outs[0] if len(case.outputs) == 1 else outs
+    return spmd.jit(case.function(), mesh=mesh, in_shardings=in_specs, out_shardings=out,
+                    donate_argnums=case.donate, options=spmd.CompileOptions(**dict(case.options)),
+                    reshard_inputs="auto" in case.arg_modes)
+
+
+def run_case(case: Case) -> Outcome:
+    """Compile and call ``case`` (``case.calls`` times, fresh inputs each time) and judge it."""
+    ratios: list[float] = []
+    try:
+        mesh = _mesh(case)
+        fn = jitted(case, mesh)
+        for call in range(case.calls):
+            inputs = [i.make(call) for i in case.inputs]
+            eager, e32, ref = references(case, inputs)
+            args = [_place(case, mesh, t, i) for i, t in enumerate(inputs)]
+            out = _tuple(fn(*args))
+            ratios += check_outputs(case, mesh, out, eager, e32, ref)
+            check_inputs(case, call, args)
+    except Wrong as w:
+        return Outcome("wrong", wrong_signature(case, w.kind), str(w), ratios)
+    except Exception as e:  # noqa: BLE001 - every exception is classified
+        return classify_exception(case, e)
+    return Outcome("match", ratios=ratios)
+
+
+def check_outputs(case: Case, mesh, out: tuple, eager: tuple, e32: tuple, ref: tuple) -> list[float]:
+    if len(out) != len(eager):
+        raise Wrong("structure", f"{len(out)} outputs, eager has {len(eager)}")
+    ratios = []
+    for i, (o, e, e2, r) in enumerate(zip(out, eager, e32, ref)):
+        if not isinstance(o, spmd.ShardedArray):
+            raise Wrong("type", f"output {i}: {type(o).__name__}, expected a ShardedArray")
+        if tuple(o.shape) != tuple(e.shape) or o.dtype != e.dtype:
+            raise Wrong("shape/dtype", f"output {i}: {o.dtype}{list(o.shape)}, eager {e.dtype}{list(e.shape)}")
+        if case.out_specs is not None:
+            want = spmd.NamedSharding(mesh, spmd.PartitionSpec(*case.out_specs[i]))
+            if o.sharding != want:
+                raise Wrong("sharding", f"output {i}: sharding {o.sharding}, expected {want}")
+        got = o.to_torch()
+        if tuple(got.shape) != tuple(e.shape) or got.dtype != e.dtype:
+            raise Wrong("to_torch", f"output {i}: to_torch gives {got.dtype}{list(got.shape)}, eager {e.dtype}")
+        if not e.is_floating_point():
+            if not torch.equal(got, e):
+                raise Wrong("values-exact", f"output {i} ({e.dtype}): differs from eager in "
+                            f"{int((got != e).sum())} of {e.numel()} elements")
+            continue
+        ratios.append(compare_float(i, got, e, e2, r))
+    return ratios
+
+
+def compare_float(i: int, got, eager, e32, ref) -> float:
+    """Raise Wrong unless ``got`` is within tolerance (module docstring); returns err(spmd) / tolerance."""
+    dt = eager.dtype
+    got, eager, e32, ref = got.double(), eager.double(), e32.double(), ref.double()
+    fin_ref, fin_eager, fin_got = torch.isfinite(ref), torch.isfinite(eager), torch.isfinite(got)
+    agree = fin_ref == fin_eager
+    bad_nonfinite = ~fin_ref & agree & ~((got == ref) | (got.isnan() & ref.isnan()))
+    if bad_nonfinite.any() or (fin_ref & fin_eager & ~fin_got).any():
+        raise Wrong("nonfinite", f"output {i}: non-finite values where the reference has "
+                    f"{ref[bad_nonfinite | (fin_ref & ~fin_got)][:4].tolist()}")
+    cmp = fin_ref & fin_eager
+    if not cmp.any():
+        return 0.0
+    scale = ref[cmp].abs().max().item() or 1.0
+    err = lambda y: ((y - ref)[cmp & torch.isfinite(y)].abs().max().item() if (cmp & torch.isfinite(y)).any()
+                     else 0.0) / scale  # noqa: E731
+    est = max(err(eager), err(e32) * EPS[dt] / EPS[torch.float32])
+    tol = K * est + ATOL[dt]
+    e_got = err(got)
+    if not e_got <= tol:
+        raise Wrong("values", f"output {i}: error {e_got:.3g} (relative to max|ref| {scale:.3g}), "
+                    f"eager error {err(eager):.3g}, float32-run error {err(e32):.3g}, tolerance {tol:.3g}")
+    return e_got / tol
+
+
+def check_inputs(case: Case, call: int, args: list) -> None:
+    """Undonated arguments keep their values (tensors and arrays); donated arrays are dead."""
+    for i, a in enumerate(args):
+        fresh = case.inputs[i].make(call)
+        if isinstance(a, torch.Tensor):
+            if not torch.equal(a, fresh):
+                raise Wrong("input-mutated", f"argument {i} (a torch.Tensor) was modified by the call")
+        elif i in case.donate:
+            if not a.is_deleted:
+                raise Wrong("donation-contract", f"argument {i} was donated but is still alive")
+        elif a.is_deleted or not torch.equal(a.to_torch(), fresh):
+            raise Wrong("input-mutated", f"argument {i} (a ShardedArray, not donated) was "
+                        f"{'deleted' if a.is_deleted else 'modified'} by the call")
+
+
+def classify_exception(case: Case, e: BaseException) -> Outcome:
+    """unsupported for UnsupportedOpError and USER_ERRORS, else crash; with a normalised signature."""
+    msg = str(e)
+    tb = traceback.extract_tb(e.__traceback__)
+    where = next((f"{_short(fr.filename)}:{fr.name}" for fr in reversed(tb) if "/spmd/" in fr.filename), "?")
+    text = f"{type(e).__name__}: {normalise(msg)}"
+    if isinstance(e, UnsupportedOpError):
+        op = re.search(r"aten\.[\w.]+", msg)
+        return Outcome("unsupported", f"UnsupportedOpError: {op.group(0) if op else normalise(msg)[:80]}", msg)
+    if isinstance(e, (ValueError, TypeError)) and any(re.search(p, msg) for p in USER_ERRORS):
+        return Outcome("unsupported", f"user error: {text[:100]}", msg)
+    donation = "donation" if case.donate else "no donation"
+    tail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
+    return Outcome("crash", f"[{donation}] {text[:140]} @ {where}", tail)
+
+
+def wrong_signature(case: Case, kind: str) -> str:
+    donation = "donation" if case.donate else "no donation"
+    dtypes = sorted({str(i.dtype).removeprefix("torch.") for i in case.inputs if i.dtype.is_floating_point})
+    return f"[{donation}] wrong {kind} ({'/'.join(dtypes)}, {case.num_devices} devices)"
+
+
+def normalise(msg: str) -> str:
+    """``msg`` with numbers, value names and quoted text generalised (equal bugs get one signature)."""
+    msg = msg.splitlines()[0] if msg else ""
+    msg = re.sub(r"%[\w.\-]+", "%X", msg)
+    msg = re.sub(r"\b[vx]\d+\b", "vN", msg)
+    msg = re.sub(r"\d+", "N", msg)
+    return msg
+
+
+def _short(path: str) -> str:
+    return path[path.rindex("/spmd/") + 1:] if "/spmd/" in path else path
+
+
+def describe(case: Case, outcome: Outcome) -> str:
+    """A failure report: the outcome, then the standalone reproducer."""
+    return f"{outcome.cls}: {outcome.signature}\n{outcome.detail}\n\n{reproducer(case, outcome.signature)}"
