@@ -99,3 +99,15 @@ def test_gpu_vector_norm_over_a_size_1_dim_keeps_its_shape(cuda_graphs):
         out = f(*args)
         assert out.shape == (14, 128) and out.to_torch().shape == (14, 128)
         torch.testing.assert_close(out.to_torch().to("cuda"), expected)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_bf16_sum_over_a_sharded_dim_rounds_once(devices):
+    """The per-device partial sums stay float32 through the all-reduce (PyTorch accumulates a bf16
+    sum in float32 and rounds once); bf16 partials rounded twice missed by several ulps."""
+    mesh = Mesh.create(("tp",), devices=f"cpu:{devices}")
+    g = torch.Generator().manual_seed(devices)
+    x = torch.randn(8, 64, generator=g).bfloat16()
+    for fn in (lambda x: x.sum(), lambda x: x.sum(0), lambda x: x.mean(0)):
+        got = spmd.jit(fn, mesh=mesh, in_shardings=P("tp"))(x).to_torch()
+        assert torch.equal(got, fn(x)), (got.float() - fn(x).float()).abs().max()
