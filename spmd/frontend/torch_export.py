@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import traceback
 import types
 import warnings
 from dataclasses import dataclass
@@ -124,7 +125,10 @@ def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
     try:
         ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
     except GuardOnDataDependentSymNode as e:
-        raise ValueError(f"{data_dependent_hint()}: {str(e).strip().splitlines()[0]}") from e
+        frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
+        frames = [f for f in frames + _FRAME.findall(str(e)) if not f[0].startswith(_LIBRARY_DIRS)]
+        at = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
+        raise ValueError(f"{data_dependent_hint()}{at}: {str(e).strip().splitlines()[0]}") from e
     if any(n.op == "call_function" and n.target not in ATEN_OPS for n in ep.graph.nodes):
         table = torch.export.default_decompositions()
         for op in ATEN_OPS:
@@ -152,7 +156,20 @@ def import_program(fn_or_module, args, kwargs: dict | None = None, name: str | N
         name = getattr(fn_or_module, "__name__", type(fn_or_module).__name__)
     name = re.sub(r"\W", "_", name)
     if isinstance(fn_or_module, torch.nn.Module) or kwargs:
-        return _convert(export_program(fn_or_module, tuple(args), kwargs), name)
+        # export itself sets requires_grad on a module's fake parameters: only explicit requests count
+        det = GradDetector(count_setter=False)
+        try:
+            with det:
+                ep = export_program(fn_or_module, tuple(args), kwargs)
+        except Exception:
+            if not det.seen:
+                raise
+        if det.seen:
+            raise UnsupportedOpError(
+                f"{name}: gradients taken inside an nn.Module's forward (or with keyword arguments) cannot be "
+                "traced; take them in a function of positional tensors, e.g. torch.func.grad_and_value over "
+                "torch.func.functional_call(module, params, inputs)")
+        return _convert(ep, name)
     det = GradDetector()
     user_fn = _traceable(fn_or_module)  # keeps the user's frames in node stack traces
 

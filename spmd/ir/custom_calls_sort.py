@@ -15,10 +15,12 @@ cumsum     x         dim (result dtype = x's dtype: the frontend converts x firs
 cumprod    x         dim (same)
 =========  ========  ==================================================================
 
-Sharding rule: ``"reduction-last-dims"`` with ``dim`` as the one dim that must be unsharded
-(XLA's SPMD partitioner does the same for sort: the sorted dim is all-gathered, the other dims
-pass their shardings through). The result of ``topk`` has ``k`` rows along ``dim`` instead of
-the operand's ``n``; the rule reads shardings only, and that dim is unsharded on both sides.
+Sharding rules: sort and topk are ``"reduction-last-dims"`` with ``dim`` as the one dim that must
+be unsharded (XLA's SPMD partitioner does the same for sort: the sorted dim is all-gathered, the
+other dims pass their shardings through); cumsum and cumprod are ``"scan"``: every dim keeps its
+sharding, a sharded scanned dim through a parallel prefix (``spmd.passes.partition_scan``).
+The result of ``topk`` has ``k`` rows along ``dim`` instead of the operand's ``n``; the rule
+reads shardings only, and that dim is unsharded on both sides.
 Indices are s64, global along ``dim`` (the dim is whole on every device).
 """
 
@@ -78,6 +80,6 @@ def _cumprod(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
 SORT_CALLS = (
     ("sort", _sort, "reduction-last-dims", _along_dim, "sort along config['dim'] (values or indices)"),
     ("topk", _topk, "reduction-last-dims", _along_dim, "k largest/smallest along config['dim']"),
-    ("cumsum", _cumsum, "reduction-last-dims", _along_dim, "inclusive prefix sum along config['dim']"),
-    ("cumprod", _cumprod, "reduction-last-dims", _along_dim, "inclusive prefix product along config['dim']"),
+    ("cumsum", _cumsum, "scan", None, "inclusive prefix sum along config['dim']"),
+    ("cumprod", _cumprod, "scan", None, "inclusive prefix product along config['dim']"),
 )

@@ -27,7 +27,7 @@ from spmd.ir.sharding import MeshShape, TensorSharding
 from spmd.passes.dot_plans import _dot, dot_dims  # noqa: F401  (dot_dims is re-exported)
 from spmd.passes.plan_base import Axes, Plan, _d, _p, _Picker, _rep
 from spmd.passes.rules_conv import plan_conv1d
-from spmd.passes.rules_index import gather_dims, gather_plan, scatter_plan  # noqa: F401  (gather_dims re-exported)
+from spmd.passes.rules_index import dus_plan, gather_dims, gather_plan, scatter_plan  # noqa: F401  (gather_dims re-exported)
 
 
 def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSharding | None,
@@ -292,16 +292,6 @@ def _dynamic_slice(inst, current, out, mesh) -> Plan:
     return Plan((TensorSharding(dims, part), *scalars), TensorSharding(dims, part))
 
 
-def _dynamic_update_slice(inst, current, out, mesh) -> Plan:
-    x, u = current[0], current[1]
-    n, m = inst.operands[0].shape.dims, inst.operands[1].shape.dims
-    picker = _Picker()
-    dims = tuple(picker.pick(_d(x, i), _d(u, i), _d(out, i)) if m[i] == n[i] else () for i in range(len(n)))
-    sh = TensorSharding(dims)
-    scalars = tuple(TensorSharding(()) for _ in inst.operands[2:])
-    return Plan((sh, sh, *scalars), sh)
-
-
 # --------------------------------------------------------------------------- custom calls
 def _custom_call(inst, current, out, mesh) -> Plan:
     target = inst.attrs.get("custom_call_target")
@@ -312,7 +302,7 @@ def _custom_call(inst, current, out, mesh) -> Plan:
     if spec.rule == "sharding-constraint":
         want = inst.sharding if inst.sharding is not None else (out if out is not None else current[0])
         return Plan((want,), want)
-    if spec.rule == "elementwise":
+    if spec.rule in ("elementwise", "scan"):  # a scan along a sharded dim: spmd.passes.partition_scan
         return _elementwise(inst, current, out)
     if spec.rule == "convolution":
         return plan_conv1d(inst, current, out, mesh)
@@ -360,6 +350,6 @@ _RULES = {
     "gather": gather_plan,
     "scatter": scatter_plan,
     "dynamic-slice": _dynamic_slice,
-    "dynamic-update-slice": _dynamic_update_slice,
+    "dynamic-update-slice": dus_plan,
     "custom-call": _custom_call,
 }

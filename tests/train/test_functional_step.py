@@ -166,3 +166,17 @@ def test_gradient_of_integer_input_is_a_type_error(how):
     with pytest.raises(TypeError, match=r"gradients requested for a tensor of dtype torch.int64 and shape \(2,\) "
                                         r"at .*test_functional_step.py:\d+"):
         spmd.jit(fn, mesh=Mesh.create(("dp",), devices="cpu:1"))(torch.randn(4), torch.tensor([1, 2]))
+
+
+def test_compiled_gradients_do_not_depend_on_the_callers_grad_mode():
+    """Traced under torch.no_grad() (the compile cache key has no grad mode), autograd.grad still differentiates."""
+    def grads(w, x):
+        w = w.detach().requires_grad_()
+        return torch.autograd.grad(torch.tanh(x @ w).sum(), w)[0]
+
+    w, x = torch.randn(5, 7), torch.randn(3, 5)
+    with torch.no_grad():
+        got = spmd.jit(grads, mesh=Mesh.create(("dp",), devices="cpu:2"))(w, x)
+    with torch.enable_grad():
+        want = grads(w, x)
+    torch.testing.assert_close(got.to_torch(), want)
