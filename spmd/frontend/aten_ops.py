@@ -250,13 +250,6 @@ def _kept(em: Emitter, r: Instruction, x: Instruction, dims: tuple[int, ...], ke
     return em.reshape(r, tuple(1 if i in dims else d for i, d in enumerate(x.shape.dims)))
 
 
-@register(aten.sum.dim_IntList, aten.sum.default)
-def _sum(em: Emitter, a: dict, val) -> Instruction:
-    x = em.convert(a["self"], out_dtype(val))
-    dims = norm_dims(a.get("dim"), x.shape.rank)
-    return _kept(em, em.reduce(x, dims, "add"), x, dims, bool(a.get("keepdim", False)))
-
-
 _HALF_TYPES = frozenset({"bf16", "f16"})
 
 
@@ -264,6 +257,16 @@ def _opmath(em: Emitter, x: Instruction) -> Instruction:
     """``x`` in float32 when it is a 16-bit float: PyTorch's CPU and CUDA kernels of softmax-like
     ops, mean, var and norms compute in float32 ("opmath") and round once to the result type."""
     return em.convert(x, "f32") if x.shape.dtype in _HALF_TYPES else x
+
+
+@register(aten.sum.dim_IntList, aten.sum.default)
+def _sum(em: Emitter, a: dict, val) -> Instruction:
+    """Sum over dims; a 16-bit float sum accumulates in float32 and rounds once, as PyTorch's does
+    (so a sum over a sharded dim all-reduces float32 partial sums, rounded once after)."""
+    x = em.convert(a["self"], out_dtype(val))
+    dims = norm_dims(a.get("dim"), x.shape.rank)
+    r = em.convert(em.reduce(_opmath(em, x), dims, "add"), x.shape.dtype)
+    return _kept(em, r, x, dims, bool(a.get("keepdim", False)))
 
 
 @register(aten.mean.dim, aten.mean.default)
