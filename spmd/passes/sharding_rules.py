@@ -12,7 +12,9 @@ Choices follow GSPMD (Xu et al. 2021, arXiv:2105.04663, §3.4 and XLA's
 named-axis factor propagation: a dim keeps the axes its operand already has (no
 communication), falls back to the wanted result's axes (a local slice, no communication), and
 an axis is used at most once. Dot contracting dims sharded alike give a ``partial`` result;
-``partial`` passes only through ops linear in that operand.
+``partial`` passes only through ops linear in that operand, and in 16-bit float types only
+through the exact ones (add, subtract, negate, copy, widening converts): a product or quotient
+of a partial value would round each device's term at its own scale before the sum.
 """
 
 from __future__ import annotations
@@ -56,20 +58,36 @@ def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSha
 
 
 # --------------------------------------------------------------------------- elementwise
+# 16-bit floats: a partial value multiplied, divided or rounded to the type per device
+# before the sum rounds each device's term at the scale of that term (which may be far larger
+# than the sum), so those ops take the all-reduced value instead; in 32- and 64-bit types the
+# reordering is harmless and saves the collective (as XLA does).
+_LOW_PRECISION = frozenset({"bf16", "f16"})
+_EXACT_ON_PARTIALS = frozenset({"add", "subtract", "negate", "copy", "convert"})
+
+
 def _linear_operands(inst: Instruction, current) -> tuple[int, ...]:
     """Operands that may stay partial (all of them with the same partial axes)."""
     op = inst.opcode
     parts = [_p(c) for c in current]
+    if inst.shape.dtype in _LOW_PRECISION and op not in _EXACT_ON_PARTIALS:
+        return ()
     if op in ("add", "subtract"):
         return (0, 1) if parts[0] and parts[0] == parts[1] else ()
     if op in ("negate", "copy") or (op == "convert" and inst.shape.torch_dtype.is_floating_point
-                                    and inst.operands[0].shape.torch_dtype.is_floating_point):
+                                    and inst.operands[0].shape.torch_dtype.is_floating_point
+                                    and _float_bits(inst.shape.dtype) >= _float_bits(inst.operands[0].shape.dtype)):
         return (0,) if parts[0] else ()
     if op == "multiply" and bool(parts[0]) != bool(parts[1]):
         return (0,) if parts[0] else (1,)
     if op == "divide" and parts[0] and not parts[1]:
         return (0,)
     return ()
+
+
+def _float_bits(dtype: str) -> int:
+    """Bits of an HLO floating type name (``"bf16"`` -> 16)."""
+    return int(dtype.lstrip("bf"))
 
 
 def _merge_dims(shardings: list[TensorSharding], used=()) -> tuple[Axes, ...]:
