@@ -155,7 +155,9 @@ def op_order_statistic(b: Builder) -> None:
     d = rand_dim(b, a)
     field = "indices" if indices else "values"
     keep = b.d.boolean()
-    if b.d.boolean():
+    if b.d.boolean(0.3):
+        b.emit(f"torch.{b.d.choice(('cummax', 'cummin'))}({a.name}, dim={d}).{field}")
+    elif b.d.boolean():
         k = b.d.integer(1, a.shape[d])
         b.emit(f"torch.kthvalue({a.name}, {k}, dim={d}, keepdim={keep}).{field}")
     elif b.d.boolean(0.8):
