@@ -248,9 +248,13 @@ def test_local_run_records_baselines_and_marks_failing_spmd(monkeypatch, capsys)
     assert sum(r["kind"] == "cm-done" for r in printed) == 2
 
 
-def test_local_run_respects_budget():
-    records = cm_local.run(_local_args(budget_s=0.0, no_spmd=True), log=lambda s: None)
-    assert records == []
+def test_local_run_respects_budget(capsys):
+    # a spent budget skips every shape after the first (the first always runs)
+    args = _local_args(budget_s=0.0, no_spmd=True, shapes=[(16, 8, 8), (32, 8, 8)])
+    records = cm_local.run(args, log=lambda s: None)
+    assert {tuple(r["shape"]) for r in records} == {(16, 8, 8)}
+    skipped = [r for r in common.parse_records(capsys.readouterr().out) if r["kind"] == "cm-skipped"]
+    assert [tuple(r["shape"]) for r in skipped] == [(32, 8, 8)]
 
 
 def test_events_suspect_and_join_ready_passthrough():
