@@ -474,7 +474,9 @@ def _native_layer_norm(em: Emitter, a: dict, val) -> tuple:
     stat_dtype = out_dtype(val[1])
     xs = em.convert(x, stat_dtype)
     var, mean, _ = _var_mean(em, {"self": xs, "dim": list(range(x.shape.rank - n, x.shape.rank)), "correction": 0})
-    rstd = em.unary("rsqrt", em.binary("add", var, em.scalar(float(a["eps"]), stat_dtype, var.shape.dims)))
+    # _var_mean works in float32 for 16-bit inputs; the statistics are rounded once, at the end
+    rstd = em.unary("rsqrt", em.binary("add", var, em.scalar(float(a["eps"]), var.shape.dtype, var.shape.dims)))
+    mean, rstd = em.convert(mean, stat_dtype), em.convert(rstd, stat_dtype)
     return (_layer_norm_call(em, a), em.reshape(mean, out_dims(val[1])), em.reshape(rstd, out_dims(val[2])))
 
 

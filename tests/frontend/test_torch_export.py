@@ -158,6 +158,10 @@ def test_layer_norm_statistics_are_computed():
     x = torch.randn(3, 8, dtype=torch.float64)
     _, got = run_imported(fn, (x,))
     assert_close_tree(tuple(got), fn(x), rtol=1e-12, atol=1e-12)
+    # 16-bit input: the statistics are computed in float32 and rounded once, to ATen's stat dtype
+    xb = torch.randn(3, 8, dtype=torch.bfloat16)
+    _, got = run_imported(fn, (xb,))
+    assert_close_tree(tuple(got), fn(xb), rtol=1e-2, atol=1e-2)
 
 
 def test_dropout_in_training_mode_takes_a_random_key_last():

@@ -44,6 +44,8 @@ ENTRY %main (x: f32[4,8], w: f32[8,2], i: s32[3]) -> (f32[4,2], f32[4,8]) {
   %negate = f32[4,8] negate(%abs)
   %exponential = f32[4,8] exponential(%negate)
   %log = f32[4,8] log(%exponential)
+  %log-plus-one = f32[4,8] log-plus-one(%exponential)
+  %exponential-minus-one = f32[4,8] exponential-minus-one(%log-plus-one)
   %sqrt = f32[4,8] sqrt(%exponential)
   %rsqrt = f32[4,8] rsqrt(%sqrt)
   %tanh = f32[4,8] tanh(%rsqrt)

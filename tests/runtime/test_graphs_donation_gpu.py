@@ -62,8 +62,11 @@ def _run_decode(devices: str, steps: int, **opts):
         out_e, pos_e, cache_e = compiled(cache_e, pos_e, x, w)
         with pytest.raises(DeletedArrayError):
             cache.to_torch()
-        for name, g, e in (("readout", out, out_e), ("pos", new_pos, pos_e), ("cache", new_cache, cache_e)):
-            assert g.to_torch().equal(e.to_torch()), f"step {step}: {name} differs from eager ({runner.options})"
+        # graph replays run Inductor-generated fusions, eager calls the unfused kernels: equal up to rounding
+        assert new_pos.to_torch().equal(pos_e.to_torch()), f"step {step}: pos differs from eager"
+        for name, g, e in (("readout", out, out_e), ("cache", new_cache, cache_e)):
+            torch.testing.assert_close(g.to_torch(), e.to_torch(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name, k=step: f"step {k}: {n} differs from eager: {m}")
         cache, pos = new_cache, new_pos
         del out
         if step:

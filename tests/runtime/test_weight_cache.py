@@ -193,7 +193,7 @@ def test_cuda_graph_replays_follow_weight_updates_without_recapture():
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = llama_layers(small=True, layers=2, seed=5, device="cuda:0")
-    mesh = spmd.Mesh.create(("tp",), devices="cuda:0")
+    mesh = spmd.Mesh.create(("tp",), devices="cuda:1")  # the first GPU
     pm = parallelize(model, mesh, llama_plan())
     x = torch.randn(2, 3, 64, device="cuda:0")
     for _ in range(4):  # eager warm-up, capture, replays
