@@ -1,8 +1,9 @@
 """CUDA graphs with donated arguments on GPUs: the donated cache is updated in place by each replay.
 
 The decode-shaped step of ``graph_programs.decode_step`` donates its cache and position; replays
-must equal the eager executable (up to the rounding of the fused kernels graphs run), stage nothing in the steady state (the outputs are
-the graph's static input buffers), and never overwrite an output the caller still holds.
+must equal the eager executable (up to the rounding of the fused kernels graphs run), stage
+nothing in the steady state (the outputs are the graph's static input buffers), and never
+overwrite an output the caller still holds.
 CPU versions: ``test_graphs_donation.py``. Skipped without CUDA.
 """
 
