@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.fuzz.case import InputSpec, prelude
-from tests.fuzz.draw import Draw
+from tests.fuzz.draw import Draw, EmptyRange
 
 MAX_NUMEL = 4096
 MAX_ABS = 1e4
@@ -84,7 +84,7 @@ class Builder:
         return name
 
     def random_shape(self, rank: int | None = None) -> tuple[int, ...]:
-        rank = self.d.choice((2, 3, 1, 4)) if rank is None else rank
+        rank = self.d.choice((2, 3, 1, 4, 0)) if rank is None else rank
         return tuple(self.d.choice(DIM_SIZES) for _ in range(rank))
 
     def random_spec(self, shape) -> tuple:
@@ -153,7 +153,7 @@ class Builder:
         state = (len(self.inputs), len(self.values), len(self.lines), self._n)
         try:
             gen(self)
-        except Reject:
+        except (Reject, EmptyRange):
             ni, nv, nl, nn = state
             del self.inputs[ni:], self.values[nv:], self.lines[nl:]
             self._n = nn

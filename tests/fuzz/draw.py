@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from typing import Any
 
 
+class EmptyRange(ValueError):
+    """``integer(lo, hi)`` with ``hi < lo`` (a generator asked for a dim of a 0-d value, say)."""
+
+
 class Draw:
     """Base class: everything is derived from ``integer(lo, hi)`` (inclusive bounds)."""
 
@@ -31,7 +35,7 @@ class Draw:
     def integer(self, lo: int, hi: int) -> int:
         """An int in ``[lo, hi]`` (both inclusive); shrinks toward ``lo``."""
         if hi < lo:
-            raise ValueError(f"integer: empty range [{lo}, {hi}]")
+            raise EmptyRange(f"integer: empty range [{lo}, {hi}]")
         value = lo if hi == lo else self._integer(lo, hi)
         self.choices.append(value - lo)
         return value
@@ -39,7 +43,7 @@ class Draw:
     def choice(self, options: Sequence[Any]) -> Any:
         """One of ``options``; shrinks toward ``options[0]``."""
         if not options:
-            raise ValueError("choice: no options")
+            raise EmptyRange("choice: no options")
         return options[self.integer(0, len(options) - 1)]
 
     def boolean(self, p: float = 0.5) -> bool:

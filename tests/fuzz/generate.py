@@ -41,6 +41,11 @@ def default_features() -> frozenset[str]:
     return ALL_FEATURES
 
 
+def op_kinds() -> list[str]:
+    """Every op kind the generator knows (for ``exclude_ops``)."""
+    return [k for k, _, _ in CORE_OPS + NEW_OPS]
+
+
 def ci_features() -> frozenset[str]:
     """The features of the CI slice: the defaults less the KNOWN_OPEN ones."""
     return default_features() - set(KNOWN_OPEN)
@@ -56,8 +61,11 @@ def draw_mesh(d: Draw, device: str, cuda_devices: int) -> tuple[tuple[str, int],
 
 
 def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozenset[str] | None = None,
-                  max_ops: int = 12, cuda_devices: int = 1) -> Case:
-    """A random ``Case`` (every decision drawn from ``d``; input data seeded from ``seed``)."""
+                  max_ops: int = 12, cuda_devices: int = 1, exclude_ops: frozenset[str] = frozenset()) -> Case:
+    """A random ``Case`` (every decision drawn from ``d``; input data seeded from ``seed``).
+
+    ``exclude_ops``: op kinds (the names in ``CORE_OPS`` / ``NEW_OPS``) never drawn.
+    """
     features = default_features() if features is None else features
     mesh_axes = draw_mesh(d, device, cuda_devices)
     b = Builder(d, seed, features, mesh_axes)
@@ -67,7 +75,7 @@ def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozense
     table = [op for op in CORE_OPS if op[0] != "constraint" or "constraints" in features]
     if "new_ops" in features:
         table += NEW_OPS
-    weighted = [(k, g) for k, g, w in table for _ in range(w)]
+    weighted = [(k, g) for k, g, w in table if k not in exclude_ops for _ in range(w)]
     n_ops = d.integer(1, max_ops)
     tries = 0
     while len(b.ops) < n_ops and tries < 4 * n_ops:

@@ -96,10 +96,10 @@ def _broadcast_partner(b: Builder, a: Value) -> str:
     if kind == "scalar":
         return b.d.choice(("0.5", "2.0", "-1.25", "3"))
     if kind == "existing":
-        def ok(v: Value) -> bool:
-            if not v.is_float or v.name == a.name or v.rank > a.rank:
+        def ok(v: Value) -> bool:  # either side may broadcast (x - x.mean(-1, keepdim=True))
+            if not v.is_float or v.name == a.name:
                 return False
-            return all(s in (1, t) for s, t in zip(reversed(v.shape), reversed(a.shape)))
+            return all(s == t or 1 in (s, t) for s, t in zip(reversed(v.shape), reversed(a.shape)))
         return b.pick(ok, "broadcast partner").name
     shape = list(a.shape)
     drop = b.d.integer(0, len(shape)) if b.d.boolean(0.3) else 0

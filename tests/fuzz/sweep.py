@@ -20,7 +20,7 @@ import warnings
 
 from tests.fuzz.case import reproducer
 from tests.fuzz.draw import RandomDraw
-from tests.fuzz.generate import ALL_FEATURES, default_features, generate_case
+from tests.fuzz.generate import ALL_FEATURES, default_features, generate_case, op_kinds
 from tests.fuzz.oracle import Outcome, run_case
 
 FAILING = ("crash", "wrong", "timeout")
@@ -29,7 +29,7 @@ FAILING = ("crash", "wrong", "timeout")
 def make_case(args, i: int, draw=None):
     draw = draw or RandomDraw(f"{args.seed}:{i}")
     return draw, generate_case(draw, args.seed * 1_000_000 + i, device=args.device, features=args.features,
-                               max_ops=args.max_ops, cuda_devices=args.cuda_devices)
+                               max_ops=args.max_ops, cuda_devices=args.cuda_devices, exclude_ops=args.exclude_ops)
 
 
 class _Timeout(Exception):
@@ -104,7 +104,7 @@ def shrink_case(args, draw, case, out):
 
     def make(d):
         return generate_case(d, seed, device=args.device, features=args.features, max_ops=args.max_ops,
-                             cuda_devices=args.cuda_devices)
+                             cuda_devices=args.cuda_devices, exclude_ops=args.exclude_ops)
 
     return shrink(draw.choices, make, lambda c: run_with_timeout(c, args.timeout_s), out.signature,
                   budget_s=args.shrink_s)
@@ -241,6 +241,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=int, default=300, help="per-program time limit (0 = none)")
     p.add_argument("--without", default="", help="comma-separated features to leave out "
                    f"(of {', '.join(sorted(ALL_FEATURES))})")
+    p.add_argument("--exclude-ops", default="", help="comma-separated op kinds never to draw (of "
+                   f"{', '.join(op_kinds())})")
     p.add_argument("--shrink", action="store_true", help="shrink the first case of every failure signature")
     p.add_argument("--shrink-s", type=float, default=120.0, help="time budget per shrink")
     p.add_argument("--progress", action="store_true")
@@ -253,6 +255,9 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--without: unknown features {sorted(unknown)}")
     args.features = default_features() - set(args.without.split(","))
+    args.exclude_ops = frozenset(filter(None, args.exclude_ops.split(",")))
+    if args.exclude_ops - set(op_kinds()):
+        p.error(f"--exclude-ops: unknown op kinds {sorted(args.exclude_ops - set(op_kinds()))}")
     return args
 
 
