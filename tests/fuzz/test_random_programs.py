@@ -4,7 +4,8 @@ meshes, shardings, options, donation and argument kinds, against PyTorch eager i
 - ``test_ci_slice``: a few dozen hypothesis-generated programs (derandomized: the same programs on
   every run); a failure is shrunk by hypothesis and reported with a standalone reproducer script.
 - ``test_sweep`` (``-m slow``): ``tests.fuzz.sweep`` over SPMD_FUZZ_EXAMPLES programs (default
-  10,000), printing the summary table; fails on any crash, wrong result or timeout.
+  10,000; SPMD_FUZZ_JOBS processes, default 1), printing the summary table; fails on any crash,
+  wrong result or timeout.
 - The rest checks the tester itself (tolerance, classification, replay, shrinking, reproducers).
 """
 
@@ -49,10 +50,13 @@ def test_ci_slice(data):
 
 @pytest.mark.slow
 def test_sweep(tmp_path):
-    from tests.fuzz.sweep import parse_args, summary, sweep
+    from tests.fuzz.sweep import parse_args, run_jobs, summary, sweep
 
     n = int(os.environ.get("SPMD_FUZZ_EXAMPLES", "10000"))
-    report = sweep(parse_args(["--n", str(n), "--seed", "0", "--out", str(tmp_path / "report.json")]))
+    jobs = int(os.environ.get("SPMD_FUZZ_JOBS", "1"))
+    argv = ["--n", str(n), "--seed", "0", "--out", str(tmp_path / "report.json"), "--jobs", str(jobs)]
+    args = parse_args(argv)
+    report = run_jobs(args, argv) if jobs > 1 else sweep(args)
     print(summary(report))
     assert not any(report["counts"].get(c) for c in ("crash", "wrong", "timeout")), summary(report)
 
