@@ -264,6 +264,14 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if present < args.cuda_devices:
+            print(f"tests.fuzz.sweep: --device cuda needs {args.cuda_devices} CUDA GPU(s), found {present}",
+                  file=sys.stderr)
+            return 2
     if args.only is not None:
         draw, case = make_case(args, args.only)
         out = run_with_timeout(case, args.timeout_s)
