@@ -91,16 +91,27 @@ def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozense
         shapes = {v.name: v.shape for v in b.values}
         out_specs = tuple(b.random_spec(shapes[o]) for o in outputs)
     options = _draw_options(d)
+    packed: tuple[str, ...] = ()
+    if n_in > 1 and d.boolean(0.2):  # weights in one dict argument, as params pytrees are passed
+        packed = tuple(x.name for x in b.inputs[1:] if d.boolean(0.7))
+    n_pos = n_in - len(packed) + bool(packed)
     donate: tuple[int, ...] = ()
     if "donation" in features and d.boolean(0.25):
         read = {i for i, x in enumerate(b.inputs) if any(_reads(line, x.name) for line in b.lines)}
-        allowed = [i for i in range(n_in) if "donate_unread" in features or i in read]
-        donate = tuple(i for i in allowed if d.boolean(0.6))
+        ok = [any(k in read for k in range(n_in) if _position(b.inputs, packed, k) == pos) for pos in range(n_pos)]
+        allowed = [pos for pos in range(n_pos) if "donate_unread" in features or ok[pos]]
+        donate = tuple(pos for pos in allowed if d.boolean(0.6))
     modes = tuple(d.choice(ARG_MODES) for _ in range(n_in))
     pre = tuple(b.random_spec(i.shape) if m in ("reshard", "auto") else None for i, m in zip(b.inputs, modes))
     return Case(inputs=tuple(b.inputs), body=tuple(b.lines), outputs=outputs, ops=tuple(b.ops),
                 mesh_axes=mesh_axes, device=device, in_specs=in_specs, out_specs=out_specs, options=options,
-                donate=donate, arg_modes=modes, pre_specs=pre, features=frozenset(features))
+                donate=donate, arg_modes=modes, pre_specs=pre, features=frozenset(features), packed=packed)
+
+
+def _position(inputs, packed: tuple[str, ...], k: int) -> int:
+    if inputs[k].name in packed:
+        return len(inputs) - len(packed)
+    return sum(1 for i in inputs[:k] if i.name not in packed)
 
 
 def _reads(line: str, name: str) -> bool:

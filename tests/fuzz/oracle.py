@@ -72,9 +72,9 @@ def references(case: Case, inputs: list[torch.Tensor]) -> tuple[tuple, tuple, tu
     """(eager in the program's dtypes, eager with every float dtype float32, float64 reference)."""
     f64 = {k: torch.float64 for k in ("F32", "F64", "BF16", "F16")}
     f32 = {k: torch.float32 for k in f64}
-    eager = _tuple(case.function()(*[t.clone() for t in inputs]))
-    e32 = _tuple(case.function(f32)(*[t.float() if t.is_floating_point() else t for t in inputs]))
-    ref = _tuple(case.function(f64)(*[t.double() if t.is_floating_point() else t for t in inputs]))
+    eager = _tuple(case.function()(*case.structure([t.clone() for t in inputs])))
+    e32 = _tuple(case.function(f32)(*case.structure([t.float() if t.is_floating_point() else t for t in inputs])))
+    ref = _tuple(case.function(f64)(*case.structure([t.double() if t.is_floating_point() else t for t in inputs])))
     return eager, e32, ref
 
 
@@ -96,7 +96,7 @@ def _place(case: Case, mesh, t: torch.Tensor, i: int):
 def jitted(case: Case, mesh):
     """``spmd.jit`` of the case's program with its shardings, donation and options."""
     P = spmd.PartitionSpec
-    in_specs = tuple(None if s is None else P(*s) for s in case.in_specs)
+    in_specs = tuple(case.structure([None if s is None else P(*s) for s in case.in_specs]))
     out = None
     if case.out_specs is not None:
         outs = tuple(P(*s) for s in case.out_specs)
@@ -116,7 +116,7 @@ def run_case(case: Case) -> Outcome:
             inputs = [i.make(call) for i in case.inputs]
             eager, e32, ref = references(case, inputs)
             args = [_place(case, mesh, t, i) for i, t in enumerate(inputs)]
-            out = _tuple(fn(*args))
+            out = _tuple(fn(*case.structure(args)))
             ratios += check_outputs(case, mesh, out, eager, e32, ref)
             check_inputs(case, call, args)
     except Wrong as w:
@@ -183,7 +183,7 @@ def check_inputs(case: Case, call: int, args: list) -> None:
         if isinstance(a, torch.Tensor):
             if not torch.equal(a, fresh):
                 raise Wrong("input-mutated", f"argument {i} (a torch.Tensor) was modified by the call")
-        elif i in case.donate:
+        elif case.position(i) in case.donate:
             if not a.is_deleted:
                 raise Wrong("donation-contract", f"argument {i} was donated but is still alive")
         elif a.is_deleted or not torch.equal(a.to_torch(), fresh):

@@ -132,8 +132,9 @@ def test_generated_programs_run_in_eager_and_vary():
     kinds = {k for c in cases for k in c.ops}
     assert {"matmul", "unary", "binary", "reduce", "reshape"} <= kinds
     assert len({c.mesh_axes for c in cases}) > 4 and any(c.donate for c in cases)
+    assert any(c.packed for c in cases) and any(not c.packed for c in cases)
     for c in cases:
-        c.function()(*[i.make() for i in c.inputs])  # every program runs in eager PyTorch
+        c.function()(*c.structure([i.make() for i in c.inputs]))  # every program runs in eager PyTorch
 
 
 def test_shrink_keeps_the_failure_and_simplifies():
