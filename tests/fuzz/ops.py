@@ -363,7 +363,10 @@ def op_sdpa(b: Builder) -> None:
             p = b.emit(f"torch.softmax({sc.name}, dim=-1)")
         o = b.emit(f"{p.name} @ {v}")
     else:
-        o = b.emit(f"F.scaled_dot_product_attention({lines_q}, {k}, {v}, is_causal={causal})")
+        extra = f", scale={b.d.choice((0.5, 0.25))}" if b.d.boolean(0.3) else ""
+        if not causal and b.d.boolean(0.3):  # an additive float mask (no row fully masked)
+            extra += f", attn_mask={b.new_input((s, s2), a.dtype)}"
+        o = b.emit(f"F.scaled_dot_product_attention({lines_q}, {k}, {v}, is_causal={causal}{extra})")
     if a.rank == 3 and b.d.boolean(0.7):
         b.emit(f"{o.name}.transpose(1, 2).reshape({a.shape[0]}, {s}, {o.shape[1] * o.shape[-1]})")
 
