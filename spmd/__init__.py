@@ -11,10 +11,11 @@ device mesh, and run one compiled program on every device::
     y = f(x, w1, w2)          # a ShardedArray; y.to_torch() is the global value
 """
 
-from spmd import metrics
+from spmd import distributed, metrics
 from spmd.array import ShardedArray, device_put
 from spmd.compiled import Compiled
 from spmd.frontend.constraint import with_sharding_constraint
+from spmd.generation import Generator, Sampling, generate
 from spmd.jit import Jitted, Lowered, jit
 from spmd.mesh import Mesh
 from spmd.parallelize import parallelize
@@ -25,13 +26,17 @@ from spmd.trace import trace, tracing
 __all__ = [
     "Compiled",
     "CompileOptions",
+    "Generator",
     "Jitted",
     "Lowered",
     "Mesh",
     "NamedSharding",
     "PartitionSpec",
+    "Sampling",
     "ShardedArray",
     "device_put",
+    "distributed",
+    "generate",
     "jit",
     "metrics",
     "parallelize",

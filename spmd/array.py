@@ -86,7 +86,7 @@ class ShardedArray:
     after asynchronous dispatch.
     """
 
-    __slots__ = ("_buffers", "_sharding", "_shape", "_dtype", "_ready_events", "_deleted_reason")
+    __slots__ = ("_buffers", "_sharding", "_shape", "_dtype", "_ready_events", "_deleted_reason", "__weakref__")
 
     @classmethod
     def _from_buffers(cls, buffers, sharding: NamedSharding, shape, dtype: torch.dtype, ready_events=None):
@@ -136,8 +136,13 @@ class ShardedArray:
 
     @property
     def addressable_devices(self) -> tuple[torch.device, ...]:
-        """Per partition id, the device of its buffer."""
-        return self._sharding.mesh.devices
+        """The devices of this process's buffers (per partition id of ``mesh.local_pids``)."""
+        return self._sharding.mesh.local_devices
+
+    @property
+    def is_fully_addressable(self) -> bool:
+        """Whether this process holds every shard (False on a mesh spanning several processes)."""
+        return not self._sharding.mesh.is_multi_process
 
     @property
     def is_deleted(self) -> bool:
@@ -187,8 +192,8 @@ class ShardedArray:
         self._check_alive("block_until_ready")
         mesh = self._sharding.mesh
         start = time.perf_counter()
-        events = self._ready_events or (None,) * mesh.num_devices
-        for index, event in zip(mesh.device_ids, events, strict=True):
+        events = self._ready_events or (None,) * len(mesh.local_pids)
+        for index, event in zip((mesh.device_ids[p] for p in mesh.local_pids), events, strict=True):
             if event is not None:
                 event.synchronize()
             elif mesh.platform == "cuda":
@@ -213,6 +218,8 @@ class ShardedArray:
         dropped. Raises DeletedArrayError for a deleted or donated array.
         """
         self._check_alive("to_torch")
+        if not self.is_fully_addressable:
+            raise ValueError(_not_addressable(self, "to_torch"))
         self.block_until_ready()
         start = time.perf_counter()
         mesh = self._sharding.mesh
@@ -226,13 +233,26 @@ class ShardedArray:
     def shards(self) -> list[Shard]:
         """Per partition id, its ``Shard`` (unpadded views aliasing the buffers).
 
-        Raises DeletedArrayError for a deleted or donated array.
+        Raises DeletedArrayError for a deleted or donated array, ValueError for an array that is
+        not fully addressable (use ``addressable_shards``).
         """
         self._check_alive("shards")
+        if not self.is_fully_addressable:
+            raise ValueError(_not_addressable(self, "shards") + "; array.addressable_shards lists this process's")
+        return self.addressable_shards
+
+    @property
+    def addressable_shards(self) -> list[Shard]:
+        """The ``Shard``s of this process's partitions (``mesh.local_pids``), in partition-id order.
+
+        Raises DeletedArrayError for a deleted or donated array.
+        """
+        self._check_alive("addressable_shards")
         ts = self._tensor_sharding()
         mesh = self._sharding.mesh
         out = []
-        for pid, (device, buf) in enumerate(zip(mesh.devices, self._buffers, strict=True)):
+        for pid, buf in zip(mesh.local_pids, self._buffers, strict=True):
+            device = mesh.devices[pid]
             bounds = ts.shard_slices(tuple(self._shape), mesh.shape, pid)
             view = buf[tuple(slice(0, b - a) for a, b in bounds)]
             out.append(Shard(device, tuple(slice(a, b) for a, b in bounds), view, pid))
@@ -251,6 +271,9 @@ class ShardedArray:
     def from_shards(shards: Sequence[torch.Tensor], sharding: NamedSharding, global_shape) -> ShardedArray:
         """Assemble an array from per-partition tensors (index = partition id).
 
+        On a mesh spanning processes, pass this process's shards only (one per partition of
+        ``mesh.local_pids``, in order); see also ``spmd.distributed.make_array_from_callback``.
+
         Each shard is either the unpadded piece (``Shard.index`` extents) or
         the padded piece (``sharding.shard_shape(global_shape)``), on the
         mesh device of its partition, all of one dtype. Padded shards are
@@ -267,17 +290,26 @@ class ShardedArray:
         shape = _check_shape(global_shape, "global_shape")
         sharding.validate(shape, "sharding")
         mesh = sharding.mesh
-        if len(shards) != mesh.num_devices:
-            raise ValueError(f"shards: expected {mesh.num_devices} shards (one per device of {mesh!r}), "
+        pids = mesh.local_pids
+        if len(shards) != len(pids):
+            raise ValueError(f"shards: expected {len(pids)} shards (one per device of {mesh!r} in this process), "
                              f"got {len(shards)}")
         ts = sharding.to_tensor_sharding(len(shape))
         padded = ts.shard_dims(tuple(shape), mesh.shape)
         dtype = shards[0].dtype if isinstance(shards[0], torch.Tensor) else None
         buffers = []
-        for pid, (t, device) in enumerate(zip(shards, mesh.devices, strict=True)):
+        for pid, t in zip(pids, shards, strict=True):
+            device = mesh.devices[pid]
             bounds = ts.shard_slices(tuple(shape), mesh.shape, pid)
             buffers.append(_shard_buffer(t, pid, device, dtype, padded, tuple(b - a for a, b in bounds)))
         return ShardedArray._from_buffers(buffers, sharding, shape, dtype)
+
+
+def _not_addressable(array: ShardedArray, what: str) -> str:
+    mesh = array.mesh
+    return (f"{what}: the ShardedArray {array._type_text()} spans {mesh.process_count} processes and this process "
+            f"holds partitions {list(mesh.local_pids)} of {mesh.num_devices}; expected a fully addressable array "
+            f"(gather it with spmd.distributed.process_allgather(array), called on every process)")
 
 
 def _check_shape(shape, argname: str) -> torch.Size:
@@ -318,7 +350,9 @@ def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
     Every device gets a fresh, zero-padded buffer (never a view of
     ``tensor``). With ``sharding.partial``, the first device of each partial
     group gets the value and the others zeros, so the pending sum is the
-    value. A ``ShardedArray`` input is resharded instead.
+    value. A ``ShardedArray`` input is resharded instead. On a mesh spanning
+    processes every process passes the same global value and keeps the shards
+    of its own partitions (as ``jax.device_put`` in a multi-controller run).
 
     Raises:
       TypeError: ``tensor`` not a Tensor / ShardedArray, ``sharding`` not a NamedSharding.
@@ -342,7 +376,8 @@ def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
     ts = sharding.to_tensor_sharding(value.dim())
     padded = ts.shard_dims(tuple(value.shape), mesh.shape)
     buffers = []
-    for pid, device in enumerate(mesh.devices):
+    for pid in mesh.local_pids:
+        device = mesh.devices[pid]
         bounds = ts.shard_slices(tuple(value.shape), mesh.shape, pid)
         local = tuple(b - a for a, b in bounds)
         coords = mesh.shape.coords(pid) if ts.partial else None

@@ -1,7 +1,10 @@
-"""The ``spmd`` command: ``spmd demo`` (real MiniLM, tensor-parallel) and ``spmd run`` (time a model).
+"""The ``spmd`` command: ``spmd demo`` (real MiniLM, tensor-parallel), ``spmd run`` (time a model) and
+``spmd train`` (a small GPT trained on a mesh, ``spmd.train.cli_train``) and ``spmd generate`` (decode with a
+sharded KV cache, ``spmd.cli_generate``).
 
     python -m spmd demo                       # all local GPUs, else 4 virtual CPU devices
     python -m spmd run --model gpt3-layer --mesh tp=2 --layers 2 --dtype bfloat16
+    python -m spmd generate --model llama2-7b --layers 4 --mesh tp=2 --max-new-tokens 128
 
 Bad input (unknown model, malformed ``--mesh``, a mesh larger than the devices present, heads
 or FFN not divisible by tp, model files missing) ends with a one-line ``spmd: error: ...`` on
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import statistics
 import sys
@@ -22,6 +26,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from spmd.cli_generate import add_generate_parser, cmd_generate
 
 MODELS = ("minilm", "gpt3-layer", "llama2-7b-layer", "llama3-70b-layer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -50,12 +56,36 @@ def make_mesh(axes: dict[str, int], device: str):
     from spmd.mesh import Mesh
 
     n = math.prod(axes.values())
+    world = _world_size()
+    if n % world:
+        raise CliError(f"--mesh {_fmt(axes)} needs {n} devices, which {world} processes cannot share equally")
+    n //= world  # under torchrun each process names its own devices; the mesh spans all of them
     if device == "cuda":
         present = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n > present:
-            raise CliError(f"--mesh {_fmt(axes)} needs {n} CUDA devices but {present} are present; "
+        if n * int(os.environ.get("LOCAL_WORLD_SIZE", "1") if world > 1 else 1) > present:
+            raise CliError(f"--mesh {_fmt(axes)} needs {n} CUDA devices per process but {present} are present; "
                            f"use a smaller mesh or --device cpu (virtual devices)")
     return Mesh.create(axes, devices=f"{device}:{n}")
+
+
+def _world_size() -> int:
+    """Processes of the run (torchrun's ``WORLD_SIZE``; 1 for a plain run)."""
+    from spmd.distributed.init import maybe_initialize
+
+    state = maybe_initialize()
+    return 1 if state is None else state.info.world_size
+
+
+def _rank() -> int:
+    """This process's rank under torchrun (0 for a plain run); only rank 0 prints."""
+    return int(os.environ.get("RANK", "0") or 0) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0
+
+
+def global_value(out) -> torch.Tensor:
+    """The global value of an output array on the CPU (gathered across processes when it spans several)."""
+    from spmd.distributed import process_allgather
+
+    return process_allgather(out)
 
 
 def _fmt(axes: dict[str, int]) -> str:
@@ -238,7 +268,8 @@ def demo_mesh(device: str | None, batch: int = 16, heads: int = 12):
     """The demo's mesh: on GPUs the most of them that tp (dividing ``heads``) x dp (dividing ``batch``) can use,
     preferring tp; without GPUs 4 virtual CPU devices with tp=4. Returns (mesh, {axis: size})."""
     device = device or default_device()
-    n = (torch.cuda.device_count() if device == "cuda" else 4) or 4
+    n = (torch.cuda.device_count() * _world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+         if device == "cuda" else 4) or 4
     tp, dp = max(((t, d) for t in range(1, n + 1) for d in range(1, n // t + 1) if heads % t == 0 and batch % d == 0),
                  key=lambda td: (td[0] * td[1], td[0]))
     axes = {"dp": dp, "tp": tp} if dp > 1 else {"tp": tp}
@@ -270,7 +301,7 @@ def cmd_demo(args, console: Console) -> int:
     pm = parallelize(model, mesh, bert_plan(), input_shardings=(P(dp), P(dp)),
                      options=CompileOptions(dump_dir=args.dump))
     _, times, out = compile_and_time(pm, (batch.input_ids, batch.attention_mask), args.iters, 1, console)
-    emb = out.to_torch().float()
+    emb = global_value(out).float()
     cos = torch.nn.functional.cosine_similarity(emb, reference, dim=1)
     max_abs = (emb - reference).abs().max().item()
     ok = cos.min().item() >= COS_MIN and max_abs <= MAX_ABS
@@ -321,7 +352,7 @@ def _neighbours_table(sentences, emb: torch.Tensor) -> Table:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spmd", description="SPMD compiler and runtime for PyTorch programs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run,train,generate}")
 
     demo = sub.add_parser("demo", help="real MiniLM sentence embeddings, tensor-parallel, checked against a reference")
     demo.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else 4 cpu devices")
@@ -342,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sequence-parallel", action="store_true",
                      help="block models: split norms and residuals on the sequence dim (Megatron-SP)")
     _common(run)
+    from spmd.train.cli_train import add_train_parser
+
+    add_train_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 
@@ -375,9 +410,15 @@ def _finish_args(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``spmd`` / ``python -m spmd``. Returns the exit status."""
     args = build_parser().parse_args(argv)
-    console = Console(highlight=False)
+    console = Console(highlight=False, quiet=_rank() != 0)
     try:
         _finish_args(args)
+        if args.command == "train":
+            from spmd.train.cli_train import cmd_train
+
+            return cmd_train(args, console)
+        if args.command == "generate":
+            return cmd_generate(args, console, make_mesh, parse_mesh)
         return cmd_demo(args, console) if args.command == "demo" else cmd_run(args, console)
     except (ValueError, TypeError) as e:
         if args.debug:

@@ -26,7 +26,8 @@ import torch.utils._pytree as pytree
 from spmd import metrics
 from spmd.array import ShardedArray, device_put
 from spmd.ir.hlo import Module
-from spmd.sharding import NamedSharding
+from spmd.ir.random import draw_key
+from spmd.sharding import NamedSharding, PartitionSpec
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -70,8 +71,10 @@ class Compiled:
       module: the final (partitioned, scheduled) HLO-lite module.
     """
 
-    def __init__(self, lowered, executable, output_shardings, output_shapes, output_dtypes, buffers):
+    def __init__(self, lowered, executable, output_shardings, output_shapes, output_dtypes, buffers,
+                 weight_cache=None):
         self.lowered = lowered
+        self.weight_cache = weight_cache  # spmd.runtime.weight_cache.WeightCache of the hoisted values, or None
         self.executable = executable
         self.module: Module = lowered.result.module
         self.mesh = lowered.jitted.mesh
@@ -90,33 +93,33 @@ class Compiled:
         self._tensor_positions = tuple(i for i in range(lowered.arg_tree.num_leaves) if i not in lowered.static_leaves)
         self._outputs = tuple(zip(output_shardings, (torch.Size(s) for s in output_shapes), output_dtypes,
                                   strict=True))
-        self._no_events = (None,) * len(self.mesh.devices)
+        self._no_events = (None,) * len(self.mesh.local_pids)
+        self._first_run = self.mesh.is_multi_process  # compare the program across ranks before running it
         self._out_leaf = lowered.out_tree.is_leaf()
         self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
         self._run_for, self._run = None, None  # see _execute
+        # A program that draws random numbers takes a fresh key as its last input (spmd.ir.random).
+        self._rng_key_sharding = (NamedSharding(self.mesh, PartitionSpec())
+                                  if getattr(lowered.program, "rng_key_parameter", None) is not None else None)
 
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
 
-        The executable, buffers and output layout are shared; the argument
-        structure, names, donation and ``reshard_inputs`` come from ``lowered``.
-        Returns ``self`` when ``lowered`` is the one it was built from.
+        The executable and buffers are shared; the argument structure, names, donation,
+        ``reshard_inputs`` and the output shardings come from ``lowered`` (equal module texts
+        may name their shardings differently: ``P("tp", None)`` and ``P(None, "tp")`` over a
+        mesh axis of size 1 lay out alike). Returns ``self`` when ``lowered`` is the one it was
+        built from.
         """
         if lowered is self.lowered:
             return self
-        shapes = [shape for _, shape, _ in self._outputs]
-        dtypes = [dtype for _, _, dtype in self._outputs]
-        return Compiled(lowered, self.executable, self.output_shardings, shapes, dtypes, self.buffers)
+        shardings, shapes, dtypes = output_layout(lowered)
+        return Compiled(lowered, self.executable, shardings, shapes, dtypes, self.buffers, self.weight_cache)
 
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""
-        jitted = self.lowered.jitted
-        if not jitted.donate_argnums:
-            return []
-        args = pytree.tree_unflatten(list(range(self.lowered.arg_tree.num_leaves)), self.lowered.arg_tree)
-        donated_leaf_ids = {i for a in jitted.donate_argnums if a < len(args) for i in pytree.tree_leaves(args[a])}
-        tensor_ids = [i for i in range(self.lowered.arg_tree.num_leaves) if i not in self.lowered.static_leaves]
-        return [k for k, i in enumerate(tensor_ids) if i in donated_leaf_ids]
+        lowered = self.lowered
+        return donated_leaves(lowered.jitted.donate_argnums, lowered.arg_tree, lowered.static_leaves)
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args):
@@ -206,13 +209,29 @@ class Compiled:
         events = None
         if any(map(_READY, arrays)):
             events = [a._ready_events or self._no_events for a in arrays]
+        if self._rng_key_sharding is not None:
+            buffers.append(device_put(draw_key(), self._rng_key_sharding)._buffers)
+            if events is not None:
+                events.append(self._no_events)
         if self._donated:
             self._check_donation(args, arrays)
+        if self._first_run:
+            self._check_program()
         ex = self.executable
         if ex is not self._run_for:  # a GraphRunner skips re-checking the buffers of arrays checked here
             self._run_for = ex
             self._run = ex.run_checked if hasattr(type(ex), "run_checked") else ex.run
+            if self.weight_cache is not None:  # a graph captured the cached tensors: refresh them in place
+                self.weight_cache.copy_into = hasattr(type(ex), "run_checked")
+        cache = self.weight_cache
+        if cache is not None:  # the hoisted values of these weights (the prologue runs when they changed)
+            hoisted = cache.values(args, buffers, events)
+            buffers += hoisted
+            if events is not None:
+                events += [self._no_events] * len(hoisted)
         out_buffers, ready = self._run(buffers, events, self._donated)
+        if cache is not None and cache.copy_into:
+            cache.last_ready = ready
         if self._donated:
             self._kill_donated(args, arrays)
         if ready[0] is None:
@@ -221,6 +240,17 @@ class Compiled:
                 for b, (sharding, shape, dtype) in zip(out_buffers, self._outputs, strict=True)]
         _EXECUTE.record(time.perf_counter() - start)
         return outs
+
+    def _check_program(self) -> None:
+        """First run on a multi-process mesh: the same program on every rank (``spmd.distributed.fingerprint``)."""
+        from spmd.distributed.fingerprint import check_same_program
+        from spmd.distributed.state import require
+
+        seq = check_same_program(require(self.name), self)
+        comm = getattr(self.executable, "_comm", None)
+        if hasattr(comm, "program"):  # name the program in errors; key arrival records by the agreed sequence
+            comm.program, comm.comm_id = self.name, f"p{seq}"
+        self._first_run = False
 
     def _bind_slow(self, spec: InputSpec, arg) -> ShardedArray:
         """Check an argument that is not already laid out as compiled; place or reshard it."""
@@ -291,6 +321,19 @@ class Compiled:
         return "\n".join(f"{op}: {counts[op]} x, {nbytes[op] / 2**20:.3f} MiB sent per device" for op in sorted(counts))
 
 
+def donated_leaves(argnums, arg_tree, static_leaves) -> list[int]:
+    """Flat tensor-input indices (parameter numbers) that belong to the positional arguments ``argnums``.
+
+    (The donated ones for ``donate_argnums``; also used for ``weight_argnums``.)
+    """
+    if not argnums:
+        return []
+    args = pytree.tree_unflatten(list(range(arg_tree.num_leaves)), arg_tree)
+    donated_leaf_ids = {i for a in argnums if a < len(args) for i in pytree.tree_leaves(args[a])}
+    tensor_ids = [i for i in range(arg_tree.num_leaves) if i not in static_leaves]
+    return [k for k, i in enumerate(tensor_ids) if i in donated_leaf_ids]
+
+
 def _check_meta(spec: InputSpec, shape: tuple, dtype: torch.dtype) -> None:
     if shape != tuple(spec.shape) or dtype != spec.dtype:
         raise ValueError(f"{spec.name}: expected {spec.dtype}{list(spec.shape)}, got {dtype}{list(shape)}")
@@ -336,9 +379,16 @@ def compile_module(lowered) -> Compiled:
     module = lowered.result.module
     buffers = assign_buffers(module)
     lowered.result.buffers = buffers
-    executable = maybe_graph(Executable(module, lowered.jitted.mesh, buffers), lowered.jitted.options)
+    mesh = lowered.jitted.mesh
+    executable = maybe_graph(Executable(module, mesh, buffers), lowered.jitted.options)
+    cache = None
+    prologue = lowered.result.prologue
+    if prologue is not None:
+        from spmd.runtime.weight_cache import WeightCache
+
+        cache = WeightCache(Executable(prologue, mesh, assign_buffers(prologue)), lowered.result.prologue_inputs)
     shardings, shapes, dtypes = output_layout(lowered)
-    return Compiled(lowered, executable, shardings, shapes, dtypes, buffers)
+    return Compiled(lowered, executable, shardings, shapes, dtypes, buffers, cache)
 
 
 def output_layout(lowered):

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 
 from spmd import metrics
 from spmd.array import ShardedArray
+from spmd.compile_lock import COMPILE_LOCK
 from spmd.compiled import Compiled, compile_module
 from spmd.mesh import Mesh
 from spmd.passes.pipeline import CompileOptions, type_name
@@ -43,6 +44,7 @@ def jit(
     donate_argnums: int | Sequence[int] = (),
     options: CompileOptions | None = None,
     reshard_inputs: bool = False,
+    weight_argnums: int | Sequence[int] = (),
 ) -> Jitted:
     """Compile ``fn`` to run SPMD over ``mesh``.
 
@@ -65,28 +67,42 @@ def jit(
       options: ``CompileOptions``.
       reshard_inputs: reshard a ``ShardedArray`` whose sharding differs from
         its in-sharding on device instead of raising ``ValueError``.
+      weight_argnums: positional arguments that hold weights (an int, a tuple or list of ints):
+        values computed only from them (merged weights, casts) are computed once per weight
+        version and cached on the devices instead of on every call, when
+        ``options.hoist_weights`` is on (``spmd.passes.hoist_weights``). A donated argument
+        is never treated as weights. Pass the same (or in-place updated) arrays again to
+        reuse the cache; ``spmd.parallelize`` names its parameters.
     Raises:
-      TypeError: ``mesh`` is not a Mesh, ``fn`` is not callable, ``donate_argnums`` is not
-        ints, ``options`` is not a ``CompileOptions`` or ``reshard_inputs`` is not a bool.
+      TypeError: ``mesh`` is not a Mesh, ``fn`` is not callable, ``donate_argnums`` or
+        ``weight_argnums`` is not ints, ``options`` is not a ``CompileOptions`` or ``reshard_inputs`` is not a bool.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an spmd.Mesh, got {type(mesh).__name__}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if donate_argnums is None:
-        donate_argnums = ()
-    if not isinstance(donate_argnums, (int, tuple, list)):
-        raise TypeError(f"donate_argnums must be an int or a tuple/list of ints (None = no donation), "
-                        f"got {type(donate_argnums).__name__} {donate_argnums!r}")
-    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-    if any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in donate):
-        raise TypeError(f"donate_argnums must be non-negative ints, got {donate_argnums!r}")
+    donate = _argnums(donate_argnums, "donate_argnums", "no donation")
+    weights = _argnums(weight_argnums, "weight_argnums", "no weights")
     if options is not None and not isinstance(options, CompileOptions):
         raise TypeError(f"options must be an spmd.CompileOptions, got {type(options).__name__}")
     if not isinstance(reshard_inputs, bool):
         raise TypeError(f"reshard_inputs must be True or False, got {type_name(reshard_inputs)} "
                         f"{reshard_inputs!r}")
-    return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs)
+    return Jitted(fn, mesh, in_shardings, out_shardings, donate, options or CompileOptions(), reshard_inputs,
+                  weights)
+
+
+def _argnums(value, what: str, none_means: str) -> tuple[int, ...]:
+    """``value`` (None, an int, a tuple or list of ints) as a tuple; TypeError naming ``what`` otherwise."""
+    if value is None:
+        return ()
+    if not isinstance(value, (int, tuple, list)) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a tuple/list of ints (None = {none_means}), "
+                        f"got {type(value).__name__} {value!r}")
+    out = (value,) if isinstance(value, int) else tuple(value)
+    if any(not isinstance(a, int) or isinstance(a, bool) or a < 0 for a in out):
+        raise TypeError(f"{what} must be non-negative ints, got {value!r}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -101,8 +117,10 @@ class _Leaf:
 class Jitted:
     """A function staged for a mesh; call it, or ``lower`` it. See ``jit``."""
 
-    def __init__(self, fn, mesh, in_shardings, out_shardings, donate_argnums, options, reshard_inputs):
+    def __init__(self, fn, mesh, in_shardings, out_shardings, donate_argnums, options, reshard_inputs,
+                 weight_argnums=()):
         self.fn = fn
+        self.weight_argnums = tuple(weight_argnums)
         self.mesh = mesh
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
@@ -111,6 +129,8 @@ class Jitted:
         self.reshard_inputs = reshard_inputs
         self._cache: dict[tuple, Compiled] = {}
         self._fast: tuple[int, Compiled] | None = None
+        self._specs: dict = {}  # arguments' pytree structure -> per-leaf NamedSharding or None
+        self._replicated = NamedSharding(mesh, PartitionSpec()) if isinstance(mesh, Mesh) else None
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     def __call__(self, *args, **kwargs):
@@ -126,12 +146,17 @@ class Jitted:
                     _HIT.inc()
                     return out
         leaves, tree = pytree.tree_flatten(args)
-        key = self._key(leaves, tree)
+        key = self._key(args, leaves, tree)
         compiled = self._cache.get(key)
         if compiled is None:
-            _MISS.inc()
-            compiled = self.lower(*args).compile()
-            self._cache[key] = compiled
+            with COMPILE_LOCK:  # single flight: a thread that waited finds the program compiled
+                compiled = self._cache.get(key)
+                if compiled is None:
+                    _MISS.inc()
+                    compiled = self.lower(*args).compile()
+                    self._cache[key] = compiled
+                else:
+                    _HIT.inc()
         else:
             _HIT.inc()
         template = _fast_template(args, leaves, compiled)
@@ -139,22 +164,48 @@ class Jitted:
             self._fast = (template, compiled)
         return compiled._call_flat(leaves)
 
-    def _key(self, leaves: list, tree) -> tuple:
+    def _key(self, args: tuple, leaves: list, tree) -> tuple:
+        """The per-``Jitted`` cache key: structure, then per leaf its shape, dtype and sharding: an
+        array's own, a tensor's from ``in_shardings`` (replicated by default), so a ``torch.Tensor``
+        and a ``ShardedArray`` laid out alike share a key."""
+        specs = self._entry_shardings(args, tree)
         parts: list = [tree]
-        for leaf in leaves:
+        for leaf, spec in zip(leaves, specs):
             if isinstance(leaf, ShardedArray):
                 parts.append((tuple(leaf.shape), leaf.dtype, leaf.sharding))
             elif isinstance(leaf, torch.Tensor):
-                parts.append((tuple(leaf.shape), leaf.dtype))
+                parts.append((tuple(leaf.shape), leaf.dtype, spec or self._replicated))
             else:
                 parts.append(("static", type(leaf), _hashable_static(leaf)))
         return tuple(parts)
 
+    def _entry_shardings(self, args: tuple, tree) -> list:
+        """Per flat leaf, the ``NamedSharding`` of ``in_shardings`` for it (or None); cached per structure.
+
+        When ``in_shardings`` does not fit the arguments, every entry is None (lowering then raises
+        the error naming the argument).
+        """
+        specs = self._specs.get(tree)
+        if specs is None:
+            from spmd.lowering import leaf_specs
+
+            try:
+                specs = [_as_named(s, self.mesh, "in_shardings") for s in leaf_specs(self.in_shardings, args,
+                                                                                       "in_shardings")]
+            except (TypeError, ValueError):
+                specs = [None] * tree.num_leaves
+            self._specs[tree] = specs
+        return specs
+
     def lower(self, *args) -> Lowered:
-        """Import and run the compiler pipeline for these arguments (no execution)."""
+        """Import and run the compiler pipeline for these arguments (no execution).
+
+        Thread-safe: traces run one at a time in the process (``spmd.compile_lock``).
+        """
         from spmd.lowering import lower_function
 
-        return lower_function(self, args)
+        with COMPILE_LOCK:
+            return lower_function(self, args)
 
 
 def _hashable_static(leaf):
@@ -200,16 +251,20 @@ class Lowered:
             raise ValueError(f"unknown stage {stage!r}; expected one of {list(self.result.stage_text)}") from None
 
     def compile(self) -> Compiled:
-        """Build (or fetch from the process-wide cache) the executable."""
-        hit = _GLOBAL_CACHE.get(self.cache_key)
-        if hit is not None:
-            metrics.counter("compile_cache.global_hit").inc()
-            return hit.rebind(self)
-        start = time.perf_counter()
-        compiled = compile_module(self)
-        metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
-        _GLOBAL_CACHE[self.cache_key] = compiled
-        return compiled
+        """Build (or fetch from the process-wide cache) the executable.
+
+        Thread-safe: one thread compiles a module, others wait and share it (``spmd.compile_lock``).
+        """
+        with COMPILE_LOCK:
+            hit = _GLOBAL_CACHE.get(self.cache_key)
+            if hit is not None:
+                metrics.counter("compile_cache.global_hit").inc()
+                return hit.rebind(self)
+            start = time.perf_counter()
+            compiled = compile_module(self)
+            metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
+            _GLOBAL_CACHE[self.cache_key] = compiled
+            return compiled
 
     @property
     def result_time_s(self) -> float:

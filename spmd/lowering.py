@@ -195,19 +195,34 @@ def lower_function(jitted, args: tuple):
     module = program.module
     out_tree = holder["out_tree"]
     _name_parameters(module, jitted.fn, [paths[i] for i in tensor_idx])
-    _annotate(module, mesh, in_leaves, jitted.out_shardings, out_tree)
+    _annotate(module, mesh, in_leaves + _rng_key_leaves(program, mesh), jitted.out_shardings, out_tree)
     root = module.entry.root
     # The text drops axes of size 1 from shardings (P("tp") and P() print alike on {tp=1}); the
     # shardings themselves keep the names, so two layouts the text confuses get separate entries.
     layouts = tuple(p.sharding for p in module.entry.parameters) + tuple(
         o.sharding for o in (root.operands if root.opcode == "tuple" else [root]))
-    key = (print_module(module), layouts, mesh, jitted.options, jitted.donate_argnums, repr(static))
+    key = (print_module(module), layouts, mesh, jitted.options, jitted.donate_argnums, jitted.weight_argnums,
+           repr(static))
     out_avals = [(torch.Size(o.shape.dims), o.shape.torch_dtype)
                  for o in (root.operands if root.opcode == "tuple" else [root])]
-    result = run_pipeline(module, jitted.options)
+    from spmd.compiled import donated_leaves
+
+    donated = donated_leaves(jitted.donate_argnums, arg_tree, static)
+    weights = frozenset(donated_leaves(jitted.weight_argnums, arg_tree, static)) - frozenset(donated)
+    result = run_pipeline(module, jitted.options, weights=weights)
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
+
+
+def _rng_key_leaves(program, mesh) -> list:
+    """The replicated ``s64[2]`` random-key input a program that draws random numbers takes last
+    (``spmd.frontend.aten_random_ops``); ``Compiled`` passes a fresh key at every call."""
+    from spmd.jit import _Leaf
+
+    if program.rng_key_parameter is None:
+        return []
+    return [_Leaf((2,), torch.int64, NamedSharding(mesh, PartitionSpec()))]
 
 
 def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):

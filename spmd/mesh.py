@@ -40,7 +40,10 @@ class Mesh:
       shape: axis names and sizes; ``shape.num_devices == len(device_ids)``.
       platform: ``"cpu"`` (virtual host devices) or ``"cuda"`` (local GPUs).
       device_ids: per partition id, the device ordinal (the CUDA index for
-        ``"cuda"``; the virtual device number for ``"cpu"``).
+        ``"cuda"``; the virtual device number for ``"cpu"``) on its process.
+      process_ids: empty for a mesh of this process's devices; for a mesh over
+        several processes (``spmd.distributed``), per partition id the rank
+        that drives it. Partitions are ordered by (rank, local device).
 
     Equality and hash are by (shape, platform, device_ids), so a mesh can key
     compile caches. Build meshes with ``Mesh.create``; the constructor takes the
@@ -52,6 +55,7 @@ class Mesh:
     shape: MeshShape
     platform: str
     device_ids: tuple[int, ...]
+    process_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -62,18 +66,20 @@ class Mesh:
                 f"mesh {self.shape} needs {self.shape.num_devices} devices, got {len(self.device_ids)} device ids; "
                 f"{_USE_CREATE}"
             )
-        if len(set(self.device_ids)) != len(self.device_ids):
+        if self.process_ids:
+            _check_processes(self)
+        elif len(set(self.device_ids)) != len(self.device_ids):
             raise ValueError(f"device_ids: expected distinct devices, got {self.device_ids}")
         if any(i < 0 for i in self.device_ids):
             raise ValueError(f"device_ids: expected non-negative ordinals, got {self.device_ids}")
-        object.__setattr__(self, "_hash", hash((self.shape, self.platform, self.device_ids)))
+        object.__setattr__(self, "_hash", hash((self.shape, self.platform, self.device_ids, self.process_ids)))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
         # Rebuild on unpickling: the cached hash of str fields differs between processes.
-        return (Mesh, (self.shape, self.platform, self.device_ids))
+        return (Mesh, (self.shape, self.platform, self.device_ids, self.process_ids))
 
     # ----------------------------------------------------------------- create
 
@@ -88,7 +94,10 @@ class Mesh:
           devices: ``"cpu:N"`` (N virtual CPU devices), ``"cpu"`` (as many
             virtual CPU devices as the axes need), ``"cuda"`` (all local GPUs),
             ``"cuda:N"`` (the first N GPUs), or a list of ``torch.device`` /
-            int CUDA ordinals, in partition-id order.
+            int CUDA ordinals, in partition-id order. In a multi-process run
+            (under torchrun, or after ``spmd.distributed.initialize()``) this
+            names each process's local devices and the mesh spans all of
+            them, ordered by (rank, local device).
         Raises:
           ValueError: duplicate axis names, sizes < 1, a size product that
             differs from the device count, more devices than present, duplicate
@@ -96,6 +105,13 @@ class Mesh:
           TypeError: ``axes`` or ``devices`` of the wrong type.
         """
         names, sizes = _parse_axes(axes)
+        from spmd.distributed.init import maybe_initialize
+
+        state = maybe_initialize()
+        if state is not None and state.info.world_size > 1:
+            from spmd.distributed.global_mesh import create_global
+
+            return create_global(state, names, sizes, devices)
         platform, ids = _parse_devices(devices, math.prod(sizes) if sizes is not None else None)
         if sizes is None:
             sizes = (len(ids),)
@@ -142,6 +158,32 @@ class Mesh:
         """Number of devices (product of the axis sizes)."""
         return len(self.device_ids)
 
+    @property
+    def is_multi_process(self) -> bool:
+        """Whether the mesh spans several processes (some partitions are not this process's)."""
+        return bool(self.process_ids)
+
+    @property
+    def process_count(self) -> int:
+        """Number of processes driving the mesh (1 for a local mesh)."""
+        return len(set(self.process_ids)) if self.process_ids else 1
+
+    @cached_property
+    def local_pids(self) -> tuple[int, ...]:
+        """Partition ids this process drives (all of them for a local mesh), ascending."""
+        if not self.process_ids:
+            return tuple(range(len(self.device_ids)))
+        from spmd.distributed.state import current
+
+        state = current()
+        rank = state.info.rank if state is not None else -1
+        return tuple(p for p, r in enumerate(self.process_ids) if r == rank)
+
+    @cached_property
+    def local_devices(self) -> tuple[torch.device, ...]:
+        """The torch devices of ``local_pids``, in order."""
+        return tuple(self.devices[p] for p in self.local_pids)
+
     def axis_size(self, axis: str) -> int:
         """Size of mesh axis ``axis``. Raises ValueError for an unknown axis."""
         return self.shape.size(axis)
@@ -159,6 +201,10 @@ class Mesh:
 
     def __repr__(self) -> str:
         axes = dict(zip(self.shape.axis_names, self.shape.axis_sizes, strict=True))
+        if self.process_ids:
+            per = len(self.device_ids) // self.process_count
+            return (f"Mesh({axes}, devices={self.process_count} processes x "
+                    f"{_fmt_ids(self.platform, self.device_ids[:per])})")
         return f"Mesh({axes}, devices={_fmt_ids(self.platform, self.device_ids)})"
 
 
@@ -182,6 +228,19 @@ def _check_field_types(mesh: Mesh) -> None:
                         f"{ids!r}; {_USE_CREATE}")
     if not isinstance(ids, tuple):
         object.__setattr__(mesh, "device_ids", tuple(ids))
+
+
+def _check_processes(mesh: Mesh) -> None:
+    """ValueError unless ``process_ids`` has one rank >= 0 per partition and distinct (rank, device) pairs."""
+    procs = mesh.process_ids
+    if not isinstance(procs, tuple):
+        object.__setattr__(mesh, "process_ids", procs := tuple(procs))
+    if len(procs) != len(mesh.device_ids) or any(not isinstance(r, int) or r < 0 for r in procs):
+        raise ValueError(f"process_ids: expected one non-negative rank per partition ({len(mesh.device_ids)}), "
+                         f"got {procs}; {_USE_CREATE}")
+    pairs = list(zip(procs, mesh.device_ids, strict=True))
+    if len(set(pairs)) != len(pairs):
+        raise ValueError(f"device_ids: expected distinct (process, device) pairs, got {pairs}")
 
 
 def _fmt_ids(platform: str, ids: tuple[int, ...]) -> str:

@@ -68,13 +68,18 @@ class ParallelModule:
             module = self.module
             fn = lambda params, *inputs: torch.func.functional_call(module, params, inputs)
             fn.__name__ = type(module).__name__
-            self._jitted[n_inputs] = jit(fn, mesh=self.mesh, in_shardings=(None, *specs), options=self.options)
+            self._jitted[n_inputs] = jit(fn, mesh=self.mesh, in_shardings=(None, *specs), options=self.options,
+                                         weight_argnums=0)
         return self._jitted[n_inputs]
 
-    @staticmethod
-    def _key(inputs) -> tuple:
-        return tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else ("static", x)
-                     for x in inputs)
+    def _key(self, inputs) -> tuple:
+        """Per input its shape, dtype and the sharding it enters with (a tensor and an array laid out
+        alike share a key; an array of another sharding keeps its own and is reported at the call)."""
+        specs = self.input_shardings or (PartitionSpec(),) * len(inputs)
+        named = [s if isinstance(s, NamedSharding) else NamedSharding(self.mesh, s) if isinstance(s, PartitionSpec)
+                 else None for s in specs] if len(specs) == len(inputs) else [None] * len(inputs)
+        return tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None) or n) if hasattr(x, "shape")
+                     else ("static", x) for x, n in zip(inputs, named))
 
     def place_inputs(self, *inputs) -> list[ShardedArray]:
         """Put forward inputs (CPU or device tensors) on the mesh with their input shardings."""

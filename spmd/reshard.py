@@ -13,16 +13,15 @@ for inspection.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
 
 from spmd import metrics
+from spmd.compile_lock import COMPILE_LOCK
 from spmd.sharding import NamedSharding
 
 _CACHE: dict[tuple, object] = {}
-_LOCK = threading.Lock()
 _RESHARDS = metrics.counter("reshards")
 _RESHARD_TIME = metrics.timer("reshard")
 
@@ -45,6 +44,15 @@ def resharder(source: NamedSharding, target: NamedSharding, shape, dtype: torch.
     compiled = _CACHE.get(key)
     if compiled is not None:
         return compiled
+    with COMPILE_LOCK:  # single flight: a thread that waited finds the program compiled
+        compiled = _CACHE.get(key)
+        if compiled is None:
+            compiled = _CACHE[key] = _compile(source, target, shape, dtype)
+    return compiled
+
+
+def _compile(source: NamedSharding, target: NamedSharding, shape, dtype: torch.dtype):
+    """The identity program from ``source`` to ``target`` (see ``resharder``)."""
     from spmd.jit import jit
 
     if source.mesh != target.mesh:
@@ -54,9 +62,7 @@ def resharder(source: NamedSharding, target: NamedSharding, shape, dtype: torch.
     source.validate(tuple(shape), "array sharding")
     target.validate(tuple(shape), "sharding")
     example = torch.empty(tuple(shape), dtype=dtype, device="meta")
-    compiled = jit(_identity, mesh=source.mesh, in_shardings=(source,), out_shardings=target).lower(example).compile()
-    with _LOCK:
-        return _CACHE.setdefault(key, compiled)
+    return jit(_identity, mesh=source.mesh, in_shardings=(source,), out_shardings=target).lower(example).compile()
 
 
 def reshard(array, sharding: NamedSharding):

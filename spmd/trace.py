@@ -168,7 +168,7 @@ def _resolve(target: Any, args: tuple) -> tuple[Compiled, tuple]:
         target.lower(*args)
         return target.compiled, (target.params, *args)
     leaves, tree = pytree.tree_flatten(args)
-    key = target._key(leaves, tree)
+    key = target._key(args, leaves, tree)
     compiled = target._cache.get(key)
     if compiled is None:
         compiled = target._cache[key] = target.lower(*args).compile()

@@ -319,3 +319,38 @@ def test_pytrees_of_tensors_and_static_leaves_keep_working():
     torch.testing.assert_close(h(x, 2.0).to_torch(), x * 2.0)
     with pytest.raises(TypeError, match=r"the function raised TypeError while tracing: .*'Tensor' and 'list'"):
         spmd.jit(_matmul, mesh=MESH)(x, [w])  # a list of tensors where the function wants one tensor
+
+
+def test_a_sharded_array_hits_the_entry_of_a_tensor_call_with_the_same_layout():
+    f = spmd.jit(_scale_add, mesh=MESH, in_shardings=(P("tp"), None), out_shardings=P("tp"))
+    x, y = torch.randn(8, 3), torch.randn(8, 3)
+    f(x, y)
+    miss, hit = _counter("compile_cache.miss"), _counter("compile_cache.hit")
+    out = f(spmd.device_put(x, NamedSharding(MESH, P("tp"))), spmd.device_put(y, NamedSharding(MESH, P())))
+    assert (_counter("compile_cache.miss"), _counter("compile_cache.hit")) == (miss, hit + 1)
+    torch.testing.assert_close(out.to_torch(), x * 3 + y)
+    g = spmd.jit(_scale_add, mesh=MESH)  # and the other way round, without in_shardings
+    g(spmd.device_put(x, NamedSharding(MESH, P())), spmd.device_put(y, NamedSharding(MESH, P())))
+    miss, hit = _counter("compile_cache.miss"), _counter("compile_cache.hit")
+    torch.testing.assert_close(g(x, y).to_torch(), x * 3 + y)
+    assert (_counter("compile_cache.miss"), _counter("compile_cache.hit")) == (miss, hit + 1)
+
+
+def test_an_array_of_another_sharding_than_in_shardings_keeps_its_own_entry():
+    f = spmd.jit(_scale_add, mesh=MESH, in_shardings=(P("tp"), P()), out_shardings=P("tp"))
+    x, y = torch.randn(8, 3), torch.randn(8, 3)
+    f(x, y)
+    with pytest.raises(ValueError, match=r"argument args\[0\]: expected sharding"):
+        f(spmd.device_put(x, NamedSharding(MESH, P())), y)
+
+
+def test_a_process_wide_cache_hit_names_its_own_output_shardings():
+    """Over a mesh axis of size 1, P("tp", None) and P(None, "tp") give the same module text."""
+    mesh = Mesh.create(("tp",), devices="cpu:1")
+    x = torch.randn(4, 6)
+    for spec in (P(None, "tp"), P("tp", None)):
+        f = spmd.jit(lambda x: x + 1, mesh=mesh, out_shardings=spec)
+        assert f(x).sharding == NamedSharding(mesh, spec)
+    arr = spmd.device_put(x, NamedSharding(mesh, P()))
+    for spec in (P(None, "tp"), P("tp", None)):
+        assert arr.reshard(NamedSharding(mesh, spec)).sharding == NamedSharding(mesh, spec)

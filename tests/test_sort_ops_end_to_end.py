@@ -87,3 +87,28 @@ def test_exponential_race_sampler_on_given_noise():
     logits = torch.randn(3, 37, dtype=torch.float64)
     q = torch.empty(3, 37, dtype=torch.float64).exponential_(1)
     _compare(sample, mesh, (P(None, "tp"), P(None, "tp")), logits, q)
+
+
+def test_nan_rows_do_not_rely_on_collectives_propagating_nan(monkeypatch):
+    """NCCL's float max is fmaxf (drops NaN): argmax / max(dim) must not depend on the all-reduce."""
+    from functools import reduce
+
+    from spmd.frontend.torch_export import import_program
+    from spmd.ir.evaluate import _REDUCERS, evaluate_sharded
+    from spmd.ir.sharding import MeshShape, TensorSharding
+    from spmd.passes.spmd_partition import SpmdPartition
+
+    monkeypatch.setitem(_REDUCERS, "maximum", lambda vals: reduce(torch.fmax, vals))
+    monkeypatch.setitem(_REDUCERS, "minimum", lambda vals: reduce(torch.fmin, vals))
+
+    def f(x):
+        return (x.argmax(-1), *x.max(dim=-1), x.argmin(-1), *x.min(dim=-1))
+
+    x = torch.tensor([[9.0, 1.0, 2.0, float("nan"), 0.0], [1.0, float("nan"), 3.0, 9.0, float("nan")],
+                      [-9.0, 2.0, 0.0, 1.0, -9.0]], dtype=torch.float64)
+    module = import_program(f, (x,)).module
+    module.mesh = MeshShape(("tp",), (2,))
+    module.entry.parameters[0].sharding = TensorSharding(((), ("tp",)))
+    got = evaluate_sharded(SpmdPartition().run(module), [x], [(3,)] * 6)
+    for g, w in zip(got, f(x), strict=True):
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)

@@ -234,20 +234,6 @@ def _identity(em: Emitter, a: dict, val) -> Instruction:
     return list(a.values())[0]
 
 
-@register(aten.dropout.default, aten.feature_dropout.default)
-def _dropout(em: Emitter, a: dict, val) -> Instruction:
-    if a["train"] and a["p"] > 0:
-        raise NotImplementedError("dropout in training mode (call module.eval())")
-    return a["input"]
-
-
-@register(aten.native_dropout.default)
-def _native_dropout(em: Emitter, a: dict, val) -> tuple:
-    if a["train"] and a["p"] > 0:
-        raise NotImplementedError("dropout in training mode (call module.eval())")
-    return a["input"], Missing("aten.native_dropout mask")
-
-
 # --------------------------------------------------------------------------- reductions
 def _keep(em: Emitter, r: Instruction, val) -> Instruction:
     return em.reshape(r, out_dims(val))
@@ -432,7 +418,16 @@ def _layer_norm(em: Emitter, a: dict, val) -> Instruction:
 
 @register(aten.native_layer_norm.default)
 def _native_layer_norm(em: Emitter, a: dict, val) -> tuple:
-    return _layer_norm_call(em, a), Missing("native_layer_norm mean"), Missing("native_layer_norm rstd")
+    """(y, mean, rstd): y by the layer-norm custom call; mean and 1/sqrt(biased var + eps) over the
+    normalized dims, kept as size-1 dims (as ATen returns them; ``native_layer_norm_backward``
+    reads them). Unused mean / rstd are removed as dead code."""
+    x = a["input"]
+    n = len(a["normalized_shape"])
+    stat_dtype = out_dtype(val[1])
+    xs = em.convert(x, stat_dtype)
+    var, mean, _ = _var_mean(em, {"self": xs, "dim": list(range(x.shape.rank - n, x.shape.rank)), "correction": 0})
+    rstd = em.unary("rsqrt", em.binary("add", var, em.scalar(float(a["eps"]), stat_dtype, var.shape.dims)))
+    return (_layer_norm_call(em, a), em.reshape(mean, out_dims(val[1])), em.reshape(rstd, out_dims(val[2])))
 
 
 @register(aten.scaled_dot_product_attention.default)

@@ -158,16 +158,6 @@ def _index(em: Emitter, a: dict, val) -> Instruction:
     return em.reshape(g, out_dims(val))
 
 
-@register(aten.gather.default)
-def _torch_gather(em: Emitter, a: dict, val) -> Instruction:
-    """torch.gather along ``dim`` when the source's other dims have size 1 (a lookup table)."""
-    x, index = a["self"], a["index"]
-    d = norm_dim(a["dim"], x.shape.rank)
-    if any(n != 1 for i, n in enumerate(x.shape.dims) if i != d):
-        raise NotImplementedError("torch.gather whose source has non-unit dims besides `dim`")
-    return em.reshape(em.gather_rows(em.reshape(x, (x.shape.dims[d],)), index), out_dims(val))
-
-
 # --------------------------------------------------------------------------- creation
 @register(aten.full.default, aten.full_like.default, aten.new_full.default, aten.scalar_tensor.default)
 def _full(em: Emitter, a: dict, val) -> Instruction:

@@ -4,8 +4,8 @@
   so they partition like any reduce (a reduced dim sharded over mesh axes becomes a local
   reduction plus an all-reduce):
 
-      m   = reduce-max(x, dim)                          (values; NaN propagates as in torch)
-      hit = (x == broadcast(m)) or (x != x)             (NaN counts as the maximum, as in torch)
+      m   = reduce-max(x, dim)                 (NaN replaced by +inf; a row with a NaN gets NaN)
+      hit = x == broadcast(m)                   (in a row with a NaN: x != x, as torch)
       idx = reduce-min(select(hit, iota(dim), INT64_MAX), dim)
 
   The smallest index among equal values wins, as in torch. Together this is XLA's variadic
@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -41,18 +42,32 @@ def arg_reduce(em: Emitter, x: Instruction, dim: int, kind: str) -> tuple[Instru
     """(values, s64 indices) of the max (``kind="maximum"``) or min of ``x`` along ``dim``.
 
     Both results drop ``dim``. Ties give the smallest index; a NaN is the extreme value (the
-    first NaN's index), as ``torch.max(x, dim)`` / ``torch.argmax``. Bool inputs are reduced as
-    integers and their values converted back.
+    first NaN's index, NaN as the value), as ``torch.max(x, dim)`` / ``torch.argmax``. Bool
+    inputs are reduced as integers and their values converted back.
+
+    For floating x, NaN never enters a cross-device reduction: the values are reduced with NaN
+    replaced by the extreme infinity, and whether a row holds a NaN is a separate integer max,
+    because collectives need not propagate NaN (NCCL's float max is ``fmaxf``, which drops it).
     """
     src = x
     if x.shape.dtype == "pred":
         x = em.convert(x, "s32")
     dims = x.shape.dims
     keep = tuple(i for i in range(x.shape.rank) if i != dim)
-    m = em.reduce(x, (dim,), kind)
-    hit = em.compare(x, em.broadcast(m, dims, keep), "EQ")
-    if x.shape.torch_dtype.is_floating_point:
-        hit = em.binary("or", hit, em.compare(x, x, "NE"))
+    floating = x.shape.torch_dtype.is_floating_point
+    if floating:
+        nan = em.compare(x, x, "NE")
+        extreme = em.scalar(math.inf if kind == "maximum" else -math.inf, x.shape.dtype, dims)
+        key = em.select(nan, extreme, x)
+    else:
+        key = x
+    m = em.reduce(key, (dim,), kind)
+    hit = em.compare(key, em.broadcast(m, dims, keep), "EQ")
+    if floating:
+        has_nan = em.reduce(em.convert(nan, "s32"), (dim,), "maximum")
+        has_nan = em.compare(has_nan, em.scalar(0, "s32", has_nan.shape.dims), "NE")
+        hit = em.select(em.broadcast(has_nan, dims, keep), nan, hit)
+        m = em.select(has_nan, em.scalar(math.nan, x.shape.dtype, m.shape.dims), m)
     iota = em.iota(dims, dim, "s64")
     idx = em.reduce(em.select(hit, iota, em.scalar(_INT64_MAX, "s64", dims)), (dim,), "minimum")
     return em.convert(m, src.shape.dtype), idx

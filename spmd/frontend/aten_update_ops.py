@@ -70,7 +70,9 @@ def _slice_scatter(em: Emitter, a: dict, val) -> Instruction:
     if step == 1 or src.shape.dims[d] <= 1:
         starts = [start if i == d else 0 for i in range(x.shape.rank)]
         return dynamic_update(em, x, src, starts)
-    raise NotImplementedError("slice assignment with a step > 1")
+    from spmd.frontend.aten_index_ops import index_scatter
+    index = em.constant(torch.arange(start, max(stop, start), step, dtype=torch.int64))
+    return index_scatter(em, x, d, index, src, "replace")
 
 
 @register(aten.select_scatter.default)
@@ -130,7 +132,8 @@ def _index_put(em: Emitter, a: dict, val) -> Instruction:
         starts = [em.reshape(wrap_index(em, indices[i], x.shape.dims[i]), ()) if i in used else 0
                   for i in range(x.shape.rank)]
         return dynamic_update(em, x, em.reshape(values, slab), starts)
-    raise NotImplementedError("index_put with more than one position")
+    from spmd.frontend.aten_index_ops import index_put_scatter
+    return index_put_scatter(em, x, indices, values, accumulate)
 
 
 @register(aten.index_copy.default)

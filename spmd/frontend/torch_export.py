@@ -30,12 +30,17 @@ from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+import spmd.frontend.aten_conv_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_random_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_sort_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_update_ops  # noqa: F401  (registers converters)
 from spmd.frontend.aten_common import ATEN_OPS, Missing, UnsupportedOpError, bind_args
+from spmd.frontend.aten_random_ops import rng_key_parameter
 from spmd.frontend.emitter import Emitter, dtype_of
+from spmd.frontend.joint import GradDetector, import_joint
 from spmd.frontend.mutations import data_dependent_hint, user_output_nodes
 from spmd.ir.hlo import Computation, Instruction, Module, Shape, SourceLocation
 
@@ -56,6 +61,9 @@ class ImportedProgram:
       user_leaf_indices: for each user tensor parameter, its index among the flattened leaves
         of ``(args, kwargs)`` (non-tensor leaves are baked into the program).
       out_tree: pytree spec to unflatten the outputs (the root's elements when it is a tuple).
+      rng_key_parameter: parameter_number of the ``s64[2]`` random key (``rng_key``, the last
+        parameter, not in input_names) when the program draws random numbers, else None; the
+        caller passes a fresh ``spmd.ir.random.draw_key()`` there (``spmd.frontend.aten_random_ops``).
     """
 
     module: Module
@@ -65,6 +73,7 @@ class ImportedProgram:
     in_tree: Any
     user_leaf_indices: tuple[int, ...]
     out_tree: Any
+    rng_key_parameter: int | None = None
 
     @property
     def num_user_inputs(self) -> int:
@@ -99,7 +108,18 @@ def _traceable(fn):
 
 
 def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
-    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed."""
+    """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed.
+
+    Thread-safe: export uses process-global dispatch modes, so traces run one at a time
+    (``spmd.compile_lock``).
+    """
+    from spmd.compile_lock import COMPILE_LOCK
+
+    with COMPILE_LOCK:
+        return _export(fn_or_module, args, kwargs)
+
+
+def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
     mod = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else _FnModule(fn_or_module)
     try:
         ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
@@ -128,10 +148,27 @@ def import_program(fn_or_module, args, kwargs: dict | None = None, name: str | N
       UnsupportedOpError (a TypeError): an op without conversion; the message names the ATen
         op and the user's file:line.
     """
-    ep = export_program(fn_or_module, tuple(args), kwargs)
     if name is None:
         name = getattr(fn_or_module, "__name__", type(fn_or_module).__name__)
-    return _convert(ep, re.sub(r"\W", "_", name))
+    name = re.sub(r"\W", "_", name)
+    if isinstance(fn_or_module, torch.nn.Module) or kwargs:
+        return _convert(export_program(fn_or_module, tuple(args), kwargs), name)
+    det = GradDetector()
+    user_fn = _traceable(fn_or_module)  # keeps the user's frames in node stack traces
+
+    @functools.wraps(fn_or_module)
+    def detecting(*xs):
+        with det:
+            return user_fn(*xs)
+
+    try:
+        ep = export_program(detecting, tuple(args))
+    except Exception:
+        if not det.seen:
+            raise
+    if det.seen:  # the program takes gradients: trace forward + backward as one joint graph
+        return import_joint(fn_or_module, tuple(args), name)
+    return _convert(ep, name)
 
 
 # --------------------------------------------------------------------------- conversion
@@ -241,6 +278,7 @@ def _convert(ep: ExportedProgram, name: str) -> ImportedProgram:
         elif node.op != "placeholder":
             loc = location_of(node)
             raise UnsupportedOpError(f"unsupported graph node {node.op} {node.target} at {_where(loc)}")
+    rng = rng_key_parameter(em)
     entry = Computation("main", em.instructions, root)
     entry.remove_dead()
     used = {id(i.attrs["to_apply"]) for i in entry.instructions if "to_apply" in i.attrs}
@@ -254,6 +292,7 @@ def _convert(ep: ExportedProgram, name: str) -> ImportedProgram:
         in_tree=ep.call_spec.in_spec,
         user_leaf_indices=_user_leaf_indices(ep, names, len(params)),
         out_tree=ep.call_spec.out_spec,
+        rng_key_parameter=None if rng is None else rng.attrs["parameter_number"],
     )
 
 

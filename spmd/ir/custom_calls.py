@@ -15,7 +15,9 @@ silu           x                           (none)
 Sharding       x                           (none); the constraint is ``Instruction.sharding``
 =============  ==========================  ===============================================
 
-Ops along one dim (sort, topk, cumsum, cumprod) are registered from ``spmd.ir.custom_calls_sort``.
+Ops along one dim (sort, topk, cumsum, cumprod) are registered from ``spmd.ir.custom_calls_sort``;
+``random`` (counter-based random values; operands index, key0, key1) from ``spmd.ir.random``;
+``conv1d`` (rule ``"convolution"``, see ``spmd.passes.rules_conv``) from ``spmd.ir.custom_calls_conv``.
 
 Sharding-rule kinds (``CustomCallSpec.rule``):
 
@@ -28,6 +30,7 @@ Sharding-rule kinds (``CustomCallSpec.rule``):
 - ``"attention"``: q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]`` and the optional
   mask (broadcastable to ``[..., Sq, Sk]``); the leading (batch, head) dims may be sharded and
   must agree across operands; the last two dims (sequence, head dim) must be unsharded.
+- ``"convolution"``: ``conv1d`` (``spmd.ir.custom_calls_conv``).
 - ``"sharding-constraint"``: identity; the partitioner reshards its operand to
   ``Instruction.sharding`` and drops the instruction.
 """
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 
 Config = dict[str, Any]
 
-RULE_KINDS = frozenset({"elementwise", "reduction-last-dims", "attention", "sharding-constraint"})
+RULE_KINDS = frozenset({"elementwise", "reduction-last-dims", "attention", "sharding-constraint", "convolution"})
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,12 @@ CUSTOM_CALLS: dict[str, CustomCallSpec] = {
 
 
 def _register_more() -> None:
+    from spmd.ir.custom_calls_conv import CONV_CALLS
     from spmd.ir.custom_calls_sort import SORT_CALLS
+    from spmd.ir.random import RANDOM_CALLS
 
-    CUSTOM_CALLS.update({spec.target: spec for spec in SORT_CALLS})
+    for target, fn, rule, reduced_dims, doc in (*SORT_CALLS, *RANDOM_CALLS, *CONV_CALLS):
+        CUSTOM_CALLS[target] = CustomCallSpec(target, fn, rule, reduced_dims, doc)
 
 
 _register_more()

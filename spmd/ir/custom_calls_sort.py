@@ -28,8 +28,6 @@ from typing import Any
 
 import torch
 
-from spmd.ir.custom_calls import CustomCallSpec
-
 Config = dict[str, Any]
 
 
@@ -76,10 +74,10 @@ def _cumprod(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
     return torch.cumprod(x, dim=_dim(config, x.dim()), dtype=x.dtype)
 
 
-SORT_CALLS: tuple[CustomCallSpec, ...] = (
-    CustomCallSpec("sort", _sort, "reduction-last-dims", _along_dim, "sort along config['dim'] (values or indices)"),
-    CustomCallSpec("topk", _topk, "reduction-last-dims", _along_dim, "k largest/smallest along config['dim']"),
-    CustomCallSpec("cumsum", _cumsum, "reduction-last-dims", _along_dim, "inclusive prefix sum along config['dim']"),
-    CustomCallSpec("cumprod", _cumprod, "reduction-last-dims", _along_dim,
-                   "inclusive prefix product along config['dim']"),
+#: (target, kernel, sharding-rule kind, unsharded dims, doc): ``spmd.ir.custom_calls`` builds the specs.
+SORT_CALLS = (
+    ("sort", _sort, "reduction-last-dims", _along_dim, "sort along config['dim'] (values or indices)"),
+    ("topk", _topk, "reduction-last-dims", _along_dim, "k largest/smallest along config['dim']"),
+    ("cumsum", _cumsum, "reduction-last-dims", _along_dim, "inclusive prefix sum along config['dim']"),
+    ("cumprod", _cumprod, "reduction-last-dims", _along_dim, "inclusive prefix product along config['dim']"),
 )

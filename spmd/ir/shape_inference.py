@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from spmd.ir.hlo import BINARY_OPCODES, OPCODES, UNARY_OPCODES, Shape, hlo_dtype
+from spmd.ir.index_shapes import infer_gather, infer_scatter
 
 __all__ = ["INT_DTYPES", "infer_shape"]
 
@@ -142,21 +143,6 @@ def _reduce(ops: list[Shape], attrs: dict) -> Shape:
     return x.with_dims(tuple(n for i, n in enumerate(x.dims) if i not in dims))
 
 
-def _gather(ops: list[Shape], attrs: dict) -> Shape:
-    x, idx = ops
-    offset, collapsed = attrs["offset_dims"], attrs["collapsed_slice_dims"]
-    sizes, ivd = attrs["slice_sizes"], attrs["index_vector_dim"]
-    if len(sizes) != x.rank or any(s > n for s, n in zip(sizes, x.dims, strict=False)) or idx.dtype not in INT_DTYPES:
-        raise _fail("gather", f"slice_sizes {sizes} must fit operand {x}; indices {idx} must be integers")
-    _dims_in_range("gather", collapsed, x.rank, "collapsed_slice_dims")
-    batch = [n for i, n in enumerate(idx.dims) if i != ivd]
-    kept = iter(s for i, s in enumerate(sizes) if i not in collapsed)
-    rank = len(batch) + len(sizes) - len(collapsed)
-    _dims_in_range("gather", offset, rank, "offset_dims")
-    b = iter(batch)
-    return x.with_dims(tuple(next(kept) if i in offset else next(b) for i in range(rank)))
-
-
 def _dynamic(opcode: str, ops: list[Shape], attrs: dict) -> Shape:
     x = ops[0]
     first = 1 if opcode == "dynamic-slice" else 2
@@ -231,7 +217,7 @@ def _async(opcode: str, ops: list[Shape], attrs: dict, num_partitions: int | Non
 
 _ARITY = {"select": 3, "clamp": 3, "parameter": 0, "constant": 0, "iota": 0, "partition-id": 0,
           "broadcast": 1, "reshape": 1, "transpose": 1, "slice": 1, "pad": 2, "dot": 2, "reduce": 2,
-          "gather": 2, "get-tuple-element": 1}
+          "gather": 2, "scatter": 3, "get-tuple-element": 1}
 
 
 def _check_arity(opcode: str, ops: list[Shape]) -> None:
@@ -311,7 +297,9 @@ def _infer(opcode: str, ops: list[Shape], attrs: dict, shape: Shape | None, num_
     if opcode == "reduce":
         return _reduce(ops, attrs)
     if opcode == "gather":
-        return _gather(ops, attrs)
+        return infer_gather(ops, attrs)
+    if opcode == "scatter":
+        return infer_scatter(ops, attrs)
     if opcode in ("dynamic-slice", "dynamic-update-slice"):
         return _dynamic(opcode, ops, attrs)
     if opcode in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"):

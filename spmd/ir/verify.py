@@ -60,7 +60,7 @@ _KIND_CHECKS = {
     "literal": lambda v: isinstance(v, torch.Tensor) and v.device.type == "cpu",
 }
 _REQUIRED = {"reduce": ("to_apply",), "custom-call": ("custom_call_target",), "async-start": ("calls",),
-             "fusion": ("calls",)}
+             "fusion": ("calls",), "scatter": ("to_apply",)}
 _DONE_OF = {s: s.removesuffix("-start") + "-done" for s in ASYNC_START_OPCODES}
 
 

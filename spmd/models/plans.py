@@ -285,3 +285,22 @@ def llama_plan(tp_axis: str = "tp", sequence_parallel: bool = False) -> Plan:
     if sequence_parallel:
         rules.append(("layers.*.{input_layernorm,post_attention_layernorm}", SequenceParallel()))
     return Plan(tuple(rules), tp_axis)
+
+
+def llama_lm_plan(num_kv_heads: int, tp_size: int, tp_axis: str = "tp") -> Plan:
+    """Megatron split of ``spmd.models.llama_lm.LlamaForCausalLM``.
+
+    Q colwise by heads, O rowwise; K/V colwise by key/value heads when ``num_kv_heads`` divides
+    by ``tp_size``, else replicated (every device computes all K/V heads, as when tp exceeds
+    the KV head count of a GQA model); gate/up colwise, down rowwise; the LM head colwise over
+    the vocabulary; the embedding and norms replicated.
+    """
+    kv_style = ColwiseParallel(unit="heads") if num_kv_heads % tp_size == 0 else Replicate()
+    return Plan((
+        ("layers.*.self_attn.q_proj", ColwiseParallel(unit="heads")),
+        ("layers.*.self_attn.{k_proj,v_proj}", kv_style),
+        ("layers.*.self_attn.o_proj", RowwiseParallel(unit="heads")),
+        ("layers.*.mlp.{gate_proj,up_proj}", ColwiseParallel()),
+        ("layers.*.mlp.down_proj", RowwiseParallel()),
+        ("lm_head", ColwiseParallel()),
+    ), tp_axis)

@@ -23,6 +23,10 @@ async unit, so that the runtime writes the GEMM straight into the accumulator)::
         calls=%d.acc0.body, stream_id=1
     %d.acc0 = f32[8,5] async-done(%d.acc0-start), stream_id=1
 
+The all-reduces of the two batch halves of ``spmd.passes.split_batch`` (``backend_config``
+with ``"split_batch"``) become all-reduce-start / all-reduce-done on the communication stream
+too, so one half's all-reduce runs under the other half's dots.
+
 Compute streams are 1..num_compute_streams, assigned round-robin over the partial
 dots in program order; the communication stream is num_compute_streams + 1; every
 other entry instruction without a stream (parameters aside) gets stream 0. Joins stay explicit: a
@@ -36,6 +40,8 @@ from typing import ClassVar
 
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
 from spmd.passes.windowed_einsum import ACCUMULATE_KEY, MARK, STREAMS_KEY, stable_toposort
+
+SPLIT_KEY = "split_batch"  # backend_config key of the all-reduces of a batch half (spmd.passes.split_batch)
 
 AUTO_MAX_STREAMS = 2  # compute streams the cost model may advise (cost_model.decide)
 
@@ -108,6 +114,8 @@ class AssignStreams:
                 old, pair = unit[-1], _wrap_async(module, unit, stream, names)
             elif inst.opcode == "collective-permute":
                 old, pair = inst, _split_permute(inst, comm_stream, names)
+            elif inst.opcode == "all-reduce" and SPLIT_KEY in inst.attrs.get("backend_config", {}):
+                old, pair = inst, _split_all_reduce(inst, comm_stream, names)
             else:
                 if inst.stream_id is None and inst.opcode != "parameter":
                     inst.stream_id = 0
@@ -181,6 +189,15 @@ def _wrap_async(module: Module, unit: list[Instruction], stream: int, names: set
     start = Instruction(_fresh(names, f"{root.name}-start"), "async-start", shape, external, {"calls": called},
                         stream_id=stream)
     done = Instruction(root.name, "async-done", root.shape, [start], sharding=root.sharding, stream_id=stream)
+    return [start, done]
+
+
+def _split_all_reduce(ar: Instruction, stream: int, names: set[str]) -> list[Instruction]:
+    """[all-reduce-start, all-reduce-done] on ``stream`` for an all-reduce of one batch half
+    (``spmd.passes.split_batch``); the done takes ``ar``'s name."""
+    start = Instruction(_fresh(names, f"{ar.name}-start"), "all-reduce-start", ar.shape, ar.operands, dict(ar.attrs),
+                        stream_id=stream)
+    done = Instruction(ar.name, "all-reduce-done", ar.shape, [start], sharding=ar.sharding, stream_id=stream)
     return [start, done]
 
 

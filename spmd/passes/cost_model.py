@@ -35,6 +35,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -379,3 +380,98 @@ def format_table(rows: Sequence[PredictionRow]) -> str:
         lines.append(f"{r.collective:<15}{f'{r.m},{r.k},{r.n}':>20}{r.tp:>4}"
                      f"{p['serial'] / 1e3:>9.3f}{p['uni'] / 1e3:>9.3f}{p['bi'] / 1e3:>9.3f}  {pick}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- split batch
+SPLIT_KERNEL_US = 2.0  # device-side gap of one more kernel in a replayed CUDA graph
+ALL_REDUCE_LATENCY_US = 8.0  # NCCL all-reduce start-up on NVLink, independent of size
+
+
+def split_batch_pays(comp: Any, plan: Any, profile: MachineProfile, margin: float = 0.03) -> bool:
+    """Whether running ``comp`` as two interleaved batch halves is predicted faster (by ``margin``).
+
+    ``plan`` is the ``spmd.passes.batch_dims.BatchDims`` of ``comp``. See ``split_batch_us``.
+    """
+    serial, split = split_batch_us(comp, plan, profile)
+    return split < serial * (1.0 - margin)
+
+
+def split_batch_us(comp: Any, plan: Any, profile: MachineProfile) -> tuple[float, float]:
+    """Predicted device µs of ``comp`` as is and split into two batch halves (Domino's schedule).
+
+    The per-row work is cut into segments at the all-reduces. Serial: every segment's compute,
+    then its all-reduce. Split: a two-stream timeline -- the compute stream runs A0 B0 A1 B1 ...
+    (a half's segment k+1 waits for its all-reduce k), the communication stream each half's
+    all-reduce after its segment. Each half's GEMM reads the whole shared operand (weights are
+    read twice), runs on half the rows (lower efficiency, ``gemm_us``), and every kernel of a
+    half costs ``SPLIT_KERNEL_US`` more (kernels counted as after elementwise fusion). Other ops
+    are memory-bound on ``profile.hbm_gbps``.
+    An all-reduce costs ``ALL_REDUCE_LATENCY_US`` plus ``2 (p-1)/p`` of its bytes at
+    ``profile.collective_gbps``. Returns (serial, split) in µs.
+    """
+    dims = plan.dims
+    users = comp.users()
+    segs: dict[int, list[float]] = {}  # level -> [full compute, half compute, full ar, half ar, kernels]
+    level: dict[int, int] = {}
+    for inst in comp.instructions:
+        if dims.get(inst) is None or inst.opcode in ("parameter", "tuple"):
+            continue
+        lvl = max((level.get(id(o), 0) + (o.opcode == "all-reduce") for o in inst.operands
+                   if dims.get(o) is not None), default=0)
+        level[id(inst)] = lvl
+        seg = segs.setdefault(lvl, [0.0, 0.0, 0.0, 0.0, 0])
+        if inst.opcode == "all-reduce":
+            seg[2] += _all_reduce_us(inst, 1.0, profile)
+            seg[3] += _all_reduce_us(inst, 0.5, profile)
+            continue
+        seg[0] += _op_us(inst, dims, 1.0, profile)
+        seg[1] += _op_us(inst, dims, 0.5, profile)
+        seg[4] += _is_kernel(inst, users[inst])
+    serial = sum(s[0] + s[2] for s in segs.values())
+    compute = comm = 0.0
+    ready = [0.0, 0.0]
+    for lvl in sorted(segs):
+        full, half, _, ar_half, kernels = segs[lvl]
+        for h in (0, 1):
+            compute = max(compute, ready[h]) + half + kernels * SPLIT_KERNEL_US
+            if ar_half:
+                comm = max(compute, comm) + ar_half
+                ready[h] = comm
+    return serial, max(compute, comm)
+
+
+_VIEWS = frozenset({"reshape", "transpose", "broadcast", "slice", "get-tuple-element", "tuple"})
+
+
+def _is_kernel(inst: Any, users: list) -> bool:
+    """Whether ``inst`` ends a kernel after elementwise fusion: not a view, and not an elementwise
+    op whose users are all elementwise too (fuse-elementwise joins those into one kernel)."""
+    from spmd.ir.hlo import ELEMENTWISE_OPCODES
+
+    if inst.opcode in _VIEWS:
+        return False
+    if inst.opcode in ELEMENTWISE_OPCODES:
+        return not users or any(u.opcode not in ELEMENTWISE_OPCODES and u.opcode not in _VIEWS for u in users)
+    return True
+
+
+def _all_reduce_us(inst: Any, frac: float, profile: MachineProfile) -> float:
+    groups = inst.attrs.get("replica_groups") or ()
+    p = len(groups[0]) if groups and groups[0] else 2
+    nbytes = inst.shape.size_bytes * frac
+    return ALL_REDUCE_LATENCY_US + 2.0 * (p - 1) / p * nbytes / (profile.collective_gbps * 1e3)
+
+
+def _op_us(inst: Any, dims: Mapping, frac: float, profile: MachineProfile) -> float:
+    """Device µs of one per-row op on ``frac`` of the rows (shared operands read whole)."""
+    def part(value: Any) -> float:
+        return value.shape.size_bytes * (frac if dims.get(value) is not None else 1.0)
+
+    nbytes = part(inst) + sum(part(o) for o in inst.operands)
+    if inst.opcode != "dot":
+        return nbytes / (profile.hbm_gbps * 1e3)
+    lhs = inst.operands[0]
+    k = math.prod(lhs.shape.dims[d] for d in inst.attrs.get("lhs_contracting_dims", ()))
+    elems = inst.shape.numel * frac
+    dtype = inst.shape.dtype if inst.shape.dtype in profile.gemm_tflops else "f32"
+    return gemm_us(elems, 2.0 * elems * k, nbytes, dtype, profile)

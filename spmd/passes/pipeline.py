@@ -3,9 +3,13 @@
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
     import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
-           → merge-dots → fuse-attention → fuse-elementwise → assign-streams → schedule
+           → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise
+           → assign-streams → schedule
 
-followed by the ``assign-buffers`` analysis. After each pass the module is
+followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
+(values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
+it is kept in ``PipelineResult.prologue`` (its text in ``prologue_text``, dumped as
+``<dir>/<module>.<index>.hoist-weights.prologue.txt``). After each pass the module is
 verified when ``CompileOptions.verify`` is on (tests and ``SPMD_VERIFY=1``),
 the time spent is recorded in ``spmd.metrics`` (``pass.<name>``), and the
 printed module is kept; ``CompileOptions.dump_dir`` (or ``SPMD_DUMP=dir``)
@@ -14,6 +18,7 @@ writes it to ``<dir>/<module>.<index>.<stage>.txt``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ from spmd.ir.verify import verify_module
 HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
-          "fuse-attention", "fuse-elementwise", "assign-streams", "schedule")
+          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "assign-streams", "schedule")
 
 
 @dataclass(frozen=True)
@@ -52,14 +57,21 @@ class CompileOptions:
         (``spmd.passes.fuse_attention``).
       fuse_elementwise: group chains of elementwise ops, reductions and norms into ``fusion``
         instructions, each run as one generated kernel on GPU (``spmd.passes.fuse_elementwise``).
+      hoist_weights: compute values that depend only on weights (``spmd.jit``'s ``weight_argnums``,
+        ``spmd.parallelize``'s parameters; merged weights, casts of weights) once per weight
+        version instead of on every call (``spmd.passes.hoist_weights``; the runtime caches them
+        on the devices, ``spmd.runtime.weight_cache``).
+      split_batch_overlap: "auto" (the cost model decides), "on" or "off": run a row-separable
+        tensor-parallel program as two interleaved batch halves so that one half's all-reduces run
+        under the other half's GEMMs (``spmd.passes.split_batch``).
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
-      ValueError: for an unknown ``windowed_einsum`` mode, a ``num_compute_streams`` < 1,
-        or a ``dump_dir`` that is an existing file (or lies under one).
+      ValueError: for an unknown ``windowed_einsum`` or ``split_batch_overlap`` mode, a
+        ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
-        ``fuse_attention`` or ``fuse_elementwise`` not a bool (or None where allowed); ``num_compute_streams`` not an
-        int; ``dump_dir`` not a path.
+        ``fuse_attention``, ``fuse_elementwise`` or ``hoist_weights`` not a bool (or None where
+        allowed); ``num_compute_streams`` not an int; ``dump_dir`` not a path.
     """
 
     windowed_einsum: str = "auto"
@@ -69,17 +81,21 @@ class CompileOptions:
     merge_dots: bool = True
     fuse_attention: bool = True
     fuse_elementwise: bool = True
+    hoist_weights: bool = True
+    split_batch_overlap: str = "auto"
     dump_dir: str | None = None
     verify: bool | None = None
 
     def __post_init__(self) -> None:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
+        if self.split_batch_overlap not in ("auto", "on", "off"):
+            raise ValueError(f"split_batch_overlap must be 'auto', 'on' or 'off', got {self.split_batch_overlap!r}")
         for name in ("bidirectional", "cuda_graphs", "verify"):
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
-        for name in ("merge_dots", "fuse_attention", "fuse_elementwise"):
+        for name in ("merge_dots", "fuse_attention", "fuse_elementwise", "hoist_weights"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")
@@ -129,12 +145,21 @@ def check_dump_dir(path: Path, what: str) -> Path:
 
 @dataclass
 class PipelineResult:
-    """The compiled module, its text after every stage, and time per pass (ms)."""
+    """The compiled module, its text after every stage, and time per pass (ms).
+
+    ``prologue`` (with its text) is the module of the hoisted values, or None; ``hoisted`` names
+    the main module's parameters it feeds (numbered after the original ones) and
+    ``prologue_inputs`` the original parameter numbers it reads.
+    """
 
     module: Module
     stage_text: dict[str, str] = field(default_factory=dict)
     pass_ms: dict[str, float] = field(default_factory=dict)
     buffers: Any = None
+    prologue: Module | None = None
+    prologue_text: str | None = None
+    hoisted: tuple[str, ...] = ()
+    prologue_inputs: tuple[int, ...] = ()
 
 
 def build_passes(options: CompileOptions) -> list:
@@ -143,10 +168,12 @@ def build_passes(options: CompileOptions) -> list:
     from spmd.passes.cse import CSE
     from spmd.passes.fuse_attention import FuseAttention
     from spmd.passes.fuse_elementwise import FuseElementwise
+    from spmd.passes.hoist_weights import HoistWeights
     from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.schedule import Schedule
     from spmd.passes.simplify import Simplify
+    from spmd.passes.split_batch import SplitBatch
     from spmd.passes.spmd_partition import SpmdPartition
     from spmd.passes.windowed_einsum import WindowedEinsum
 
@@ -164,14 +191,20 @@ def build_passes(options: CompileOptions) -> list:
         WindowedEinsum(**we_kwargs),
         MergeDots(enabled=options.merge_dots),
         FuseAttention(enabled=options.fuse_attention),
+        HoistWeights(enabled=options.hoist_weights),
+        SplitBatch(mode=options.split_batch_overlap),
         FuseElementwise(enabled=options.fuse_elementwise),
         AssignStreams(**streams_kwargs),
         Schedule(),
     ]
 
 
-def run_pipeline(module: Module, options: CompileOptions, passes: list | None = None) -> PipelineResult:
+def run_pipeline(module: Module, options: CompileOptions, passes: list | None = None,
+                 weights: frozenset[int] = frozenset()) -> PipelineResult:
     """Run ``passes`` (default: ``build_passes(options)``) over ``module``.
+
+    ``weights``: parameter numbers of weights (not donated) the hoist-weights pass may hoist
+    values of (its own ``weights`` field is used when this is empty).
 
     Raises:
       spmd.ir.verify.VerifyError: when verification is on and a pass produced
@@ -186,13 +219,21 @@ def run_pipeline(module: Module, options: CompileOptions, passes: list | None = 
         verify_module(module)
     for index, p in enumerate(passes, start=1):
         start = time.perf_counter()
-        module = p.run(module)
+        if p.name == "hoist-weights":
+            module = _hoist(result, dataclasses.replace(p, weights=frozenset(weights)) if weights else p, module,
+                            dump, index)
+        elif p.name == "split-batch" and weights:
+            module = dataclasses.replace(p, weights=frozenset(weights) | _hoisted(result, module)).run(module)
+        else:
+            module = p.run(module)
         elapsed = time.perf_counter() - start
         metrics.timer(f"pass.{p.name}").record(elapsed)
         result.pass_ms[p.name] = elapsed * 1e3
         if verify:
             try:
                 verify_module(module)
+                if p.name == "hoist-weights" and result.prologue is not None:
+                    verify_module(result.prologue)
             except ValueError as e:
                 raise type(e)(f"after pass {p.name}: {e}") from e
         _record(result, p.name, module, dump, index)
@@ -200,13 +241,33 @@ def run_pipeline(module: Module, options: CompileOptions, passes: list | None = 
     return result
 
 
+def _hoist(result: PipelineResult, p: Any, module: Module, dump: Path | None, index: int) -> Module:
+    """Run the hoist-weights pass; keep its prologue (and its text, dumped) in ``result``."""
+    split = p.split(module)
+    if split.prologue is not None:
+        result.prologue, result.hoisted, result.prologue_inputs = split.prologue, split.hoisted, split.inputs
+        result.prologue_text = print_module(split.prologue)
+        _write(dump, f"{module.name}.{index:02d}.{p.name}.prologue.txt", result.prologue_text)
+    return split.main
+
+
+def _hoisted(result: PipelineResult, module: Module) -> frozenset[int]:
+    """Parameter numbers of the hoisted values (shared by every row of the batch, like weights)."""
+    names = set(result.hoisted)
+    return frozenset(p.attrs["parameter_number"] for p in module.entry.parameters if p.name in names)
+
+
 def _record(result: PipelineResult, stage: str, module: Module, dump: Path | None, index: int) -> None:
     text = print_module(module)
     result.stage_text[stage] = text
+    _write(dump, f"{module.name}.{index:02d}.{stage}.txt", text)
+
+
+def _write(dump: Path | None, filename: str, text: str) -> None:
     if dump is not None:
         try:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / f"{module.name}.{index:02d}.{stage}.txt").write_text(text)
+            (dump / filename).write_text(text)
         except OSError as e:
             raise ValueError(f"dump_dir / SPMD_DUMP: cannot write the stage dumps to {str(dump)!r}: "
                              f"{e.strerror or e}") from e

@@ -24,6 +24,8 @@ from spmd.ir.hlo import ELEMENTWISE_OPCODES, Instruction
 from spmd.ir.sharding import MeshShape, TensorSharding
 from spmd.passes.dot_plans import _dot, dot_dims  # noqa: F401  (dot_dims is re-exported)
 from spmd.passes.plan_base import Axes, Plan, _d, _p, _Picker, _rep
+from spmd.passes.rules_conv import plan_conv1d
+from spmd.passes.rules_index import gather_dims, gather_plan, scatter_plan  # noqa: F401  (gather_dims re-exported)
 
 
 def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSharding | None,
@@ -36,6 +38,8 @@ def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSha
     """
     op = inst.opcode
     if not inst.operands:
+        if op == "iota" and out is not None:  # each device builds its shard (spmd.passes.partition_iota)
+            return Plan((), out.with_partial(()))
         return Plan((), _rep(inst)) if out is not None else None
     if out is None and all(c is None for c in current):
         return None
@@ -259,36 +263,6 @@ def _reduce(inst, current, out, mesh) -> Plan:
 
 
 # --------------------------------------------------------------------------- indexing
-def gather_dims(inst: Instruction):
-    """(output batch dims, matching indices dims, output offset dims, matching table dims)."""
-    a = inst.attrs
-    table, idx = inst.operands[0].shape, inst.operands[1].shape
-    ivd = a.get("index_vector_dim", idx.rank)
-    offset = tuple(a["offset_dims"])
-    out_batch = tuple(d for d in range(inst.shape.rank) if d not in offset)
-    idx_batch = tuple(d for d in range(idx.rank) if d != ivd)
-    tab_off = tuple(d for d in range(table.rank) if d not in a["collapsed_slice_dims"])
-    return out_batch, idx_batch, offset, tab_off
-
-
-def _gather(inst, current, out, mesh) -> Plan:
-    t, ix = current
-    a = inst.attrs
-    out_batch, idx_batch, offset, tab_off = gather_dims(inst)
-    full = {d for d in tab_off if a["slice_sizes"][d] == inst.operands[0].shape.dims[d]
-            and d not in a["start_index_map"]}
-    picker = _Picker()
-    res = [()] * inst.shape.rank
-    idx = [()] * inst.operands[1].shape.rank
-    tab = [()] * inst.operands[0].shape.rank
-    for od, idd in zip(out_batch, idx_batch, strict=False):
-        res[od] = idx[idd] = picker.pick(_d(ix, idd), _d(out, od))
-    for od, td in zip(offset, tab_off, strict=False):
-        if td in full:
-            res[od] = tab[td] = picker.pick(_d(t, td), _d(out, od))
-    return Plan((TensorSharding(tuple(tab)), TensorSharding(tuple(idx))), TensorSharding(tuple(res)))
-
-
 def _dynamic_slice(inst, current, out, mesh) -> Plan:
     x = current[0]
     n = inst.operands[0].shape.dims
@@ -322,6 +296,8 @@ def _custom_call(inst, current, out, mesh) -> Plan:
         return Plan((want,), want)
     if spec.rule == "elementwise":
         return _elementwise(inst, current, out)
+    if spec.rule == "convolution":
+        return plan_conv1d(inst, current, out, mesh)
     config = dict(inst.attrs.get("backend_config") or {})
     if spec.rule == "reduction-last-dims":
         fixed = set(spec.unsharded_dims(config, rank))
@@ -363,7 +339,8 @@ _RULES = {
     "pad": _pad,
     "dot": _dot,
     "reduce": _reduce,
-    "gather": _gather,
+    "gather": gather_plan,
+    "scatter": scatter_plan,
     "dynamic-slice": _dynamic_slice,
     "dynamic-update-slice": _dynamic_update_slice,
     "custom-call": _custom_call,

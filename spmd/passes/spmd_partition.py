@@ -32,9 +32,11 @@ from typing import ClassVar
 
 from spmd.ir.hlo import ASYNC_DONE_OPCODES, ASYNC_START_OPCODES, COLLECTIVE_OPCODES, Computation, Instruction, Module
 from spmd.ir.sharding import TensorSharding
+from spmd.passes.partition_index import partition_gather, partition_scatter
+from spmd.passes.partition_iota import partition_iota
 from spmd.passes.propagate_sharding import PropagateSharding
 from spmd.passes.reshard import IDENTITY, Emitter, local_shape, mask_padding, normalize, reshard
-from spmd.passes.sharding_rules import Plan, dot_dims, gather_dims, plan, reduce_kind
+from spmd.passes.sharding_rules import Plan, dot_dims, plan, reduce_kind
 
 _NOT_ALLOWED = COLLECTIVE_OPCODES | ASYNC_START_OPCODES | ASYNC_DONE_OPCODES | {"partition-id"}
 
@@ -195,16 +197,6 @@ class _Partitioner:
             produced = full
         return local, produced
 
-    def _gather(self, inst: Instruction, ops, p: Plan):
-        idx = inst.operands[1]
-        _, idx_batch, _, tab_off = gather_dims(inst)
-        indices = mask_padding(self.em, ops[1], p.operands[1], idx.shape.dims, idx_batch, 0)
-        table_local = p.operands[0].shard_dims(inst.operands[0].shape.dims, self.mesh)
-        sizes = tuple(table_local[d] if p.operands[0].dims[d] else s
-                      for d, s in enumerate(inst.attrs["slice_sizes"]))
-        attrs = {**inst.attrs, "slice_sizes": sizes}
-        return self._emit_local(inst, [ops[0], indices], p.result, attrs), p.result
-
     def _slice(self, inst: Instruction, ops, p: Plan):
         local = p.operands[0].shard_dims(inst.operands[0].shape.dims, self.mesh)
         pieces = zip(inst.attrs["slice"], local, strict=True)
@@ -227,9 +219,11 @@ def _is_constant(inst: Instruction, value) -> bool:
 
 
 _HANDLERS = {
+    "iota": partition_iota,
     "dot": _Partitioner._dot,
     "reduce": _Partitioner._reduce,
-    "gather": _Partitioner._gather,
+    "gather": partition_gather,
+    "scatter": partition_scatter,
     "dynamic-slice": _Partitioner._dynamic_slice,
     "slice": _Partitioner._slice,
 }

@@ -123,7 +123,10 @@ class Executable:
                              f"got {len(devices)}")
         self.module, self.mesh, self.options = module, mesh, options
         self.gpu = mesh.platform == "cuda"
-        if options.distributed:
+        self.multi_process = bool(getattr(mesh, "process_ids", ()))
+        if self.multi_process:
+            self.pids, self.devices = tuple(mesh.local_pids), tuple(mesh.local_devices)
+        elif options.distributed:
             import torch.distributed as dist
 
             rank = dist.get_rank()
@@ -149,11 +152,20 @@ class Executable:
             self._pool = ThreadPoolExecutor(max_workers=len(self.devices) - 1, thread_name_prefix="spmd-cpu")
 
     def _make_comm(self):
+        if self.multi_process:
+            from spmd.distributed.state import require
+            from spmd.runtime.comm.multiprocess import MultiProcessCommunicator
+
+            return MultiProcessCommunicator(self.pids, self.mesh.process_ids, self._local_comm(), require("mesh"))
         if self.options.distributed:
             from spmd.runtime.comm.distributed import DistributedCommunicator
 
             groups = [t.spec for t in self.program.thunks if isinstance(t, CollectiveThunk)]
             return DistributedCommunicator(self.pids[0], self.module.num_partitions, groups, self.devices[0])
+        return self._local_comm()
+
+    def _local_comm(self):
+        """The communicator of this process's devices (local index k == position in ``pids``)."""
         if self.gpu:
             from spmd.runtime.comm.cuda import CudaCommunicator
 

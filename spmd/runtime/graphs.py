@@ -172,7 +172,7 @@ def fallback_reason(executable: Any) -> str | None:
     """
     if getattr(executable, "mesh", None) is None or executable.mesh.platform != "cuda":
         return "cpu_mesh"
-    if getattr(executable.options, "distributed", False):
+    if getattr(executable.options, "distributed", False) or getattr(executable, "multi_process", False):
         return "distributed"
     if not torch.cuda.is_available():
         return "no_cuda"

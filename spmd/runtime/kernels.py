@@ -35,6 +35,7 @@ from spmd.ir.hlo import (
 )
 from spmd.runtime import kernels_dot as _dot
 from spmd.runtime import kernels_index as _ix
+from spmd.runtime import kernels_scatter as _sc
 
 Tensor = torch.Tensor
 Kernel = Callable[[list[Tensor], "Tensor | None"], Tensor]
@@ -398,7 +399,8 @@ _BUILDERS: dict[str, Callable[[Instruction, torch.device | None], Kernel]] = {
     "pad": _ix.build_pad,
     "dot": _dot.build_dot,
     "reduce": _build_reduce,
-    "gather": _ix.build_gather,
+    "gather": _sc.build_gather,
+    "scatter": _sc.build_scatter,
     "dynamic-slice": _ix.build_dynamic_slice,
     "dynamic-update-slice": _ix.build_dynamic_update_slice,
     "custom-call": _build_custom_call,

@@ -155,9 +155,12 @@ def test_unsupported_fft_and_layer_norm_stats_use():
                        (torch.randn(3, 8),))
 
 
-def test_dropout_in_training_mode_is_rejected():
-    with pytest.raises(UnsupportedOpError, match="dropout"):
-        import_program(Block().train(), (torch.randn(2, 4, 32),))
+def test_dropout_in_training_mode_takes_a_random_key_last():
+    prog = import_program(Block().train(), (torch.randn(2, 4, 32),))
+    params = prog.module.entry.parameters
+    assert prog.rng_key_parameter == len(params) - 1 == len(prog.input_names)
+    assert params[-1].name == "rng_key" and str(params[-1].shape) == "s64[2]"
+    assert import_program(Block().eval(), (torch.randn(2, 4, 32),)).rng_key_parameter is None
 
 
 def test_hf_bert_model_with_attention_mask():

@@ -11,7 +11,7 @@ from spmd.ir.custom_calls import CUSTOM_CALLS, RULE_KINDS, get_custom_call
 
 def test_registry_targets_and_rules():
     assert set(CUSTOM_CALLS) == {"softmax", "layer-norm", "attention", "gelu", "silu", "Sharding",
-                                 "sort", "topk", "cumsum", "cumprod"}
+                                 "sort", "topk", "cumsum", "cumprod", "random", "conv1d"}
     assert {s.rule for s in CUSTOM_CALLS.values()} == RULE_KINDS
     assert CUSTOM_CALLS["softmax"].unsharded_dims({"dim": -1}, 3) == (2,)
     assert CUSTOM_CALLS["softmax"].unsharded_dims({"dim": 1}, 3) == (1,)

@@ -87,6 +87,8 @@ ENTRY %main (x: f32[4,8], w: f32[8,2], i: s32[3]) -> (f32[4,2], f32[4,8]) {
   %bdot = f32[2,4,4] dot(%broadcast, %broadcast), lhs_batch_dims={0}, rhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_contracting_dims={2}
   %reduce = f32[4] reduce(%clamp, %zero), dimensions={1}, to_apply=%add.f32
   %gather = f32[3,8] gather(%x, %i), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,8}
+  %along = f32[4,8] gather(%x, %iota), offset_dims={}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=2, slice_sizes={1,1}, operand_batching_dims={0}, start_indices_batching_dims={0}
+  %scatter = f32[4,8] scatter(%x, %i, %gather), to_apply=%add.f32, index_vector_dim=1, update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}
   %s0 = s32[] constant(1)
   %dynamic-slice = f32[2,8] dynamic-slice(%x, %s0, %s0), dynamic_slice_sizes={2,8}
   %dynamic-update-slice = f32[4,8] dynamic-update-slice(%x, %dynamic-slice, %s0, %s0)

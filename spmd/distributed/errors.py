@@ -1,0 +1,25 @@
+"""Errors of multi-process runs."""
+
+from __future__ import annotations
+
+
+class DistributedTimeoutError(TimeoutError):
+    """A cross-process wait did not complete within ``spmd.distributed.initialize(timeout_s=...)``.
+
+    The message names the operation, the program and the ranks that did not arrive.
+    Attributes: ``op`` (str), ``program`` (str), ``missing_ranks`` (tuple of ints).
+    """
+
+    def __init__(self, message: str, op: str = "", program: str = "", missing_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.op, self.program, self.missing_ranks = op, program, tuple(missing_ranks)
+
+
+class ProgramMismatchError(ValueError):
+    """Processes compiled different programs (shapes, options or code differ) for the same call."""
+
+
+def fmt_ranks(ranks) -> str:
+    """``ranks [0, 2]`` / ``rank 1``."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"

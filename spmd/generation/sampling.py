@@ -1,0 +1,115 @@
+"""Token sampling on device, traceable by ``spmd.jit`` and runnable in eager: greedy, temperature, top-k, top-p.
+
+Sampling is the exponential race of gpt-fast (PyTorch-Labs, 2023): with ``q ~ Exp(1)`` drawn
+independently per vocabulary entry, ``argmax(probs / q)`` is a sample from ``probs`` (the
+Gumbel-max trick in multiplicative form). The uniform numbers come from a counter-free
+multiplicative congruential generator kept as device state (Park & Miller, "Random number
+generators: good ones are hard to find", CACM 1988, with the multiplier 48271 of Park, Miller
+and Stockmeyer, 1993): ``state <- state * 48271 mod (2^31 - 1)``, one independent lane per
+(sequence, vocabulary entry), seeded from ``Sampling.seed``. The state is an input and an output
+of the compiled step, so a sampled step runs with no host work and replays in a CUDA graph; the
+eager reference draws exactly the same numbers.
+
+Top-k keeps the logits at least as large as the k-th largest (``torch.topk``); top-p (nucleus,
+Holtzman et al., "The Curious Case of Neural Text Degeneration", ICLR 2020) keeps the smallest
+set of largest probabilities whose mass reaches p (``torch.sort`` + ``torch.cumsum``); ties at the
+threshold are all kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+RNG_MODULUS = 2**31 - 1
+RNG_MULTIPLIER = 48271
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen.
+
+    Fields:
+      temperature: None for greedy (argmax; ties go to the lowest token id), else a float > 0
+        dividing the logits.
+      top_k: None, or an int >= 1: sample among the k largest logits (needs a temperature).
+      top_p: None, or a float in (0, 1]: sample from the nucleus of mass p (needs a temperature).
+      seed: int seed of the random state.
+    Raises:
+      ValueError: temperature <= 0 (or not finite), top_k < 1, top_p outside (0, 1], top_k or
+        top_p without a temperature. TypeError: a field of the wrong type.
+    """
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                raise TypeError(f"temperature: expected a float > 0 or None (greedy), got {type(t).__name__}")
+            if not (math.isfinite(t) and t > 0):
+                raise ValueError(f"temperature: expected a finite float > 0 (None means greedy), got {t}")
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int):
+                raise TypeError(f"top_k: expected an int >= 1 or None, got {type(k).__name__}")
+            if k < 1:
+                raise ValueError(f"top_k: expected an int >= 1 or None, got {k}")
+        if p is not None:
+            if isinstance(p, bool) or not isinstance(p, (int, float)):
+                raise TypeError(f"top_p: expected a float in (0, 1] or None, got {type(p).__name__}")
+            if not 0 < p <= 1:
+                raise ValueError(f"top_p: expected a float in (0, 1] or None, got {p}")
+        if t is None and (k is not None or p is not None):
+            raise ValueError("top_k / top_p need a temperature (temperature=None means greedy)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature is None
+
+
+def initial_rng_state(batch: int, vocab: int, seed: int) -> torch.Tensor:
+    """int64 [batch, vocab] random state, each lane in [1, 2^31 - 2], from ``seed`` (CPU tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, RNG_MODULUS, (batch, vocab), generator=gen, dtype=torch.int64)
+
+
+def argmax_first(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest entry of the last dim, the lowest on ties (as ``torch.argmax``). [..., V] -> int64 [...]."""
+    v = x.shape[-1]
+    top = x.amax(-1, keepdim=True)
+    ids = torch.arange(v, device=x.device)
+    return torch.where(x == top, ids, v).amin(-1)
+
+
+def _top_p_threshold(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """[B, V] probs -> [B, 1]: the smallest probability kept by nucleus sampling of mass ``p``."""
+    sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the strictly larger entries
+    return torch.where(before < p, sorted_probs, torch.inf).amin(-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, rng: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens from float logits [B, V] and the random state int64 [B, V].
+
+    Returns (tokens int64 [B], the advanced state int64 [B, V]); greedy leaves the state as it is.
+    """
+    if sampling.greedy:
+        return argmax_first(logits), rng
+    rng = (rng * RNG_MULTIPLIER) % RNG_MODULUS
+    u = (rng.float() * (1.0 / RNG_MODULUS)).clamp(1e-12, 1.0 - 2.0**-24)  # uniform in (0, 1)
+    q = -torch.log(u)  # Exp(1)
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
+        logits = torch.where(logits < kth, -torch.inf, logits)
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        probs = torch.where(probs < _top_p_threshold(probs, sampling.top_p), 0.0, probs)
+    return argmax_first(probs / q), rng

@@ -1,0 +1,139 @@
+"""The device cache of hoisted weight values: the prologue runs once per weight version.
+
+``spmd.passes.hoist_weights`` splits a program into a *prologue* (values computed only from
+weights) and the per-call main program, which takes the prologue's outputs as extra
+parameters. A ``WeightCache`` holds the prologue's ``Executable`` and its last outputs, and
+gives every call the outputs for the weights that call passes, running the prologue again
+only when they changed.
+
+Cache key (checked on every call, a few hundred ns per weight and device): for every argument
+the prologue reads, the object the caller passed (a ``ShardedArray``, or a ``torch.Tensor``
+placed on the mesh at every call) and each of its per-device buffer tensors
+(held by weak reference: the key keeps nothing alive, and an object freed and replaced by a
+new one at the same address does not match) and each buffer's ``_version``, PyTorch's
+per-tensor counter that every in-place write bumps (``copy_``, ``add_``, an ``out=`` kernel,
+a write through a view such as ``ShardedArray.shards[k].data``). So these invalidate it: a
+replaced argument (another ``ShardedArray``, ``ParallelModule.params[name] = ...``), an
+argument donated elsewhere (a deleted array cannot be passed; one made from its buffers is
+another object), and an in-place update of a buffer. Writes PyTorch does not see (a CUDA graph
+replay or NCCL writing into a tensor, ``Tensor.data`` tricks) are not noticed; the arrays
+``spmd`` hands out never receive them.
+
+Memory: one entry per executable, the hoisted values of the latest weight version (their
+per-device bytes are ``WeightCache.size_bytes``); a new version replaces it. Merged weights
+are thus held twice (the arguments and their concatenation): the price of not concatenating
+on every call.
+
+CUDA graphs: with a ``GraphRunner`` the hoisted values are captured as adopted inputs (the same
+tensors on every call). A refresh then writes the new values *into* the cached tensors
+(``copy_`` on each device's current stream, after the prologue and after the previous call's
+ready events), so the captured graphs stay valid and nothing is captured again. Without
+graphs the new outputs simply replace the old ones (the previous call keeps its own
+references until its work is done).
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spmd import metrics
+from spmd.array import ShardedArray
+
+Tensor = torch.Tensor
+_VERSION = operator.attrgetter("_version")
+_DEREF = weakref.ref.__call__
+_RUNS = metrics.counter("hoist.prologue_runs")
+
+
+class WeightCache:
+    """The hoisted values of one executable, keyed by the identity and version of the weights.
+
+    Args:
+      prologue: the ``Executable`` of the prologue module (parameters: the main program's
+        original parameters; outputs: the hoisted values, padded shard shapes per device).
+      inputs: the parameter numbers the prologue reads (the weights of the key).
+      copy_into: refresh by writing into the cached tensors (needed when the main program is
+        a CUDA-graph ``GraphRunner`` that captured them); else replace them.
+    Attributes:
+      runs: how many times the prologue ran (also the ``hoist.prologue_runs`` metrics counter).
+    Thread-safe: the check and the refresh hold a lock.
+    """
+
+    def __init__(self, prologue: Any, inputs: Sequence[int], copy_into: bool = False) -> None:
+        self.prologue = prologue
+        self.inputs = tuple(inputs)
+        self.copy_into = copy_into
+        self.runs = 0
+        self._lock = threading.Lock()
+        self._refs: list[weakref.ref] = []
+        self._versions: list[int] = []
+        self._values: list[list[Tensor]] | None = None
+        self.last_ready: Sequence[Any] | None = None  # the main program's ready events (GPU, copy_into)
+
+    @property
+    def size_bytes(self) -> int:
+        """Device bytes the cached values hold, summed over local devices (0 before the first call)."""
+        return sum(t.numel() * t.element_size() for per in self._values or () for t in per)
+
+    def values(self, args: Sequence[Any], buffers: Sequence[Sequence[Tensor]],
+               events: Sequence[Sequence[Any]] | None) -> list[list[Tensor]]:
+        """The hoisted values (``[value][device]``) for this call's weights; runs the prologue if stale.
+
+        Args:
+          args: the call's arguments as the caller passed them (``ShardedArray``s, or tensors
+            placed at every call: the key holds what the caller holds, so an array resharded
+            or placed for the call still hits the cache).
+          buffers: the per-device buffers bound to each parameter (``buffers[i][k]``).
+          events: per parameter, per device ready events, or None.
+        """
+        objs, tensors = self._objects(args)
+        with self._lock:
+            if (self._values is not None and len(objs) == len(self._refs)
+                    and all(map(operator.is_, map(_DEREF, self._refs), objs))
+                    and list(map(_VERSION, tensors)) == self._versions):
+                return self._values
+            self._refresh(objs, tensors, buffers, events)
+            return self._values
+
+    def _objects(self, args: Sequence[Any]) -> tuple[list, list[Tensor]]:
+        """The key's objects (each argument the prologue reads, then its buffers), and its tensors."""
+        objs: list = []
+        tensors: list[Tensor] = []
+        for i in self.inputs:
+            a = args[i]
+            objs.append(a)
+            if type(a) is ShardedArray:
+                objs.extend(a._buffers)
+                tensors.extend(a._buffers)
+            else:
+                tensors.append(a)
+        return objs, tensors
+
+    def _refresh(self, objs: list, tensors: list[Tensor], buffers: Sequence[Sequence[Tensor]], events: Any) -> None:
+        outs, ready = self.prologue.run(buffers, events)
+        self.runs += 1
+        _RUNS.inc()
+        # later work on the callers' streams (copies, replays, calls) follows the prologue
+        self._wait(ready)
+        outs = [[t if t.is_contiguous() else t.contiguous() for t in per] for per in outs]
+        if self.copy_into and self._values is not None:
+            self._wait(self.last_ready)  # the previous call has read the old values
+            for old, new in zip(self._values, outs, strict=True):
+                for o, n in zip(old, new, strict=True):
+                    o.copy_(n)
+        else:
+            self._values = outs
+        self._refs = [weakref.ref(o) for o in objs]
+        self._versions = list(map(_VERSION, tensors))
+
+    def _wait(self, events: Sequence[Any] | None) -> None:
+        """Make each local device's current stream wait for its event (None entries: CPU, nothing)."""
+        for dev, ev in zip(self.prologue.devices, events or (), strict=False):
+            if ev is not None:
+                torch.cuda.current_stream(dev).wait_event(ev)

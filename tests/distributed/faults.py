@@ -1,0 +1,85 @@
+"""Worker bodies of the failure tests: a mismatched program, a rank dying mid-step, bad input.
+
+Each worker writes what it saw to ``<out>/rank<r>.txt`` (the test reads them), so a worker that
+is expected to fail does not need to propagate its exception through the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from workers import init, mlp
+
+import spmd
+from spmd import Mesh, NamedSharding
+from spmd import PartitionSpec as P
+
+
+def _write(out: str, rank: int, text: str) -> None:
+    Path(out, f"rank{rank}.txt").write_text(text)
+
+
+def _catch(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # the tests read the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def dying_worker(rank: int, world: int, init_method: str, out: str, timeout_s: float, hang: bool = False) -> None:
+    """After one good step, rank 1 exits (or, with ``hang``, stops) inside the second collective of the next step."""
+    init(rank, world, init_method, timeout_s=timeout_s)
+    mesh = Mesh.create({"dp": 2, "tp": world // 2}, devices="cpu:1")
+    args = (torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 16))
+    f = spmd.jit(mlp, mesh=mesh, in_shardings=(P("dp"), P(None, "tp"), P("tp", None)), out_shardings=P())
+    f(*args)
+    if rank == 1:
+        from spmd.runtime.comm.multiprocess import MultiProcessCommunicator
+
+        run = MultiProcessCommunicator.run
+
+        def die(self, *a, **k):
+            if self.calls >= 0:  # the first collective of this step ran; die in the next one
+                deadline = time.monotonic() + (4 * timeout_s if hang else 0)
+                while time.monotonic() < deadline and not Path(out, "rank0.txt").exists():
+                    time.sleep(0.2)  # hang until rank 0 has failed (bounded)
+                os._exit(3)
+            return run(self, *a, **k)
+
+        MultiProcessCommunicator.run = die
+        for comm in (f._fast[1].executable._comm,):
+            comm.calls = -1
+    start = time.monotonic()
+    text = _catch(lambda: spmd.distributed.process_allgather(f(*args)))
+    _write(out, rank, f"{time.monotonic() - start:.1f}\n{text}")
+    os._exit(0)  # the group cannot be shut down cleanly with a dead peer
+
+
+def bad_input_worker(rank: int, world: int, init_method: str, out: str) -> None:
+    """Each bad input raises a clear error on every rank, naming the argument and ranks; then rank 1
+    compiles the MLP for a batch of 6 instead of 8: every rank gets ProgramMismatchError."""
+    init(rank, world, init_method, timeout_s=60)
+    try:
+        lines = [
+            "world: " + _catch(lambda: Mesh.create({"x": 3 * world}, devices="cpu:2")),
+            "devices: " + _catch(lambda: Mesh.create({"x": 3}, devices=f"cpu:{1 + rank}")),
+            "other-process: " + _catch(lambda: Mesh.create({"x": world}, devices=[torch.device("cuda", 7)])),
+        ]
+        mesh = Mesh.create({"dp": world, "tp": 2}, devices="cpu:2")
+        a = spmd.device_put(torch.randn(8, 4), NamedSharding(mesh, P("dp")))
+        lines.append("to_torch: " + _catch(a.to_torch))
+        lines.append("shards: " + _catch(lambda: a.shards))
+        local = torch.randn(4 + rank, 4)
+        lines.append("local_data: " + _catch(lambda: spmd.distributed.make_array_from_process_local_data(
+            NamedSharding(mesh, P("dp")), local)))
+        batch = 6 if rank == 1 else 8
+        x, w1, w2 = torch.randn(batch, 16), torch.randn(16, 32), torch.randn(32, 16)
+        f = spmd.jit(mlp, mesh=mesh, in_shardings=(P("dp"), P(), P()), out_shardings=P("dp"))
+        lines.append("mismatch: " + _catch(lambda: f(x, w1, w2)))
+        _write(out, rank, "\n".join(lines))
+    finally:
+        spmd.distributed.shutdown()

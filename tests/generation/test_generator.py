@@ -1,0 +1,132 @@
+"""spmd.Generator against the same model in plain PyTorch eager (float32, one device)."""
+
+import pytest
+import torch
+
+import spmd
+from spmd.generation import Generator, Sampling
+from spmd.generation.reference import reference_generate
+from spmd.models.llama_lm import llama_lm
+
+PROMPTS4 = [[5, 17, 3, 99, 42, 7], [11, 2], [200, 1, 9, 31, 64, 128, 250, 4, 8, 16], [77]]
+PREFILL, NEW = 12, 64
+MAX_SEQ = PREFILL + NEW
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llama_lm(small=True, seed=1)
+
+
+def _mesh(axes, n):
+    return spmd.Mesh.create(axes, devices=f"cpu:{n}")
+
+
+def _check_against_eager(model, gen, prompts, sampling=None):
+    res = gen.generate(prompts, NEW, sampling)
+    tokens, start = gen.pad_prompts(gen._check_prompts(prompts))
+    ref, ref_kv = reference_generate(model, tokens, start, NEW, MAX_SEQ, sampling)
+    assert res.tokens.shape == (len(prompts), NEW)
+    assert torch.equal(res.tokens, ref[:len(prompts)])
+    for (k, v), (rk, rv) in zip(gen.kv_cache(), ref_kv, strict=True):
+        torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
+    return res
+
+
+@pytest.mark.parametrize(("axes", "n", "batch"), [
+    (("tp",), 1, 1), (("tp",), 2, 4), (("tp",), 4, 4), ({"dp": 2, "tp": 2}, 4, 4),
+    pytest.param(("tp",), 1, 4, marks=pytest.mark.slow), pytest.param(("tp",), 4, 1, marks=pytest.mark.slow),
+])
+def test_greedy_tokens_and_cache_equal_eager(model, axes, n, batch):
+    # tp=4 exceeds the 2 KV heads: the cache and K/V projections are replicated over tp
+    gen = Generator(model, _mesh(axes, n), max_batch=batch, max_seq=MAX_SEQ, prefill_len=PREFILL)
+    _check_against_eager(model, gen, PROMPTS4[:batch] if batch > 1 else PROMPTS4[2:3])
+
+
+def test_kv_cache_sharding(model):
+    gen = Generator(model, _mesh({"dp": 2, "tp": 2}, 4), max_batch=4, max_seq=16, prefill_len=4)
+    assert gen.kv_sharding.spec == spmd.PartitionSpec("dp", "tp", None, None)
+    gen4 = Generator(model, _mesh(("tp",), 4), max_batch=1, max_seq=16, prefill_len=4)
+    assert gen4.kv_sharding.spec == spmd.PartitionSpec(None, None, None, None)
+
+
+def test_compiled_once_for_every_position_and_call(model):
+    gen = Generator(model, _mesh(("tp",), 2), max_batch=2, max_seq=24, prefill_len=4)
+    miss = spmd.metrics.counter("compile_cache.miss")
+    before = miss.value
+    first = gen.generate([[1, 2, 3], [4]], 20)
+    assert miss.value - before == 2  # one prefill and one decode program
+    again = gen.generate([[1, 2, 3], [4]], 20)
+    other = gen.generate([[9, 8, 7, 6], [5, 4]], 10)
+    assert miss.value - before == 2
+    assert torch.equal(first.tokens, again.tokens) and other.tokens.shape == (2, 10)
+
+
+def test_sampling_with_temperature_equals_eager_and_is_seeded(model):
+    gen = Generator(model, _mesh(("tp",), 2), max_batch=4, max_seq=MAX_SEQ, prefill_len=PREFILL)
+    a = _check_against_eager(model, gen, PROMPTS4, Sampling(temperature=0.9, seed=3))
+    b = gen.generate(PROMPTS4, NEW, Sampling(temperature=0.9, seed=3))
+    c = gen.generate(PROMPTS4, NEW, Sampling(temperature=0.9, seed=4))
+    greedy = gen.generate(PROMPTS4, NEW)
+    assert torch.equal(a.tokens, b.tokens)
+    assert not torch.equal(a.tokens, c.tokens) and not torch.equal(a.tokens, greedy.tokens)
+
+
+def test_timing_streaming_and_one_shot_generate(model):
+    mesh = _mesh(("tp",), 2)
+    gen = Generator(model, mesh, max_batch=2, max_seq=24, prefill_len=4)
+    chunks, seen = [], []
+    res = gen.generate([[3, 1], [4, 1, 5]], 9, timing=True, stream_every=4, on_tokens=chunks.append,
+                       progress=seen.append)
+    assert [c.shape[1] for c in chunks] == [4, 4, 1] and torch.equal(torch.cat(chunks, 1), res.tokens)
+    assert len(res.step_latencies_s) == 8 and res.ttft_s > 0 and res.tokens_per_s > 0 and seen[-1] == 9
+    one = spmd.generate(model, mesh, [[3, 1], [4, 1, 5]], 9)
+    assert torch.equal(one.tokens, res.tokens)
+
+
+BAD_CALLS = [
+    (dict(prompts=[list(range(1, 14))]), ValueError, "exceed prefill_len"),
+    (dict(max_new_tokens=30), ValueError, "past the cache"),
+    (dict(prompts=[[1]] * 3), ValueError, "exceed the cache's batch"),
+    (dict(prompts=[[1], []]), ValueError, "empty prompt"),
+    (dict(prompts=[]), TypeError, "non-empty list"),
+    (dict(prompts=[[1, 256]]), ValueError, r"\[0, 256\)"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (dict(sampling="greedy"), TypeError, "sampling"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), BAD_CALLS)
+def test_bad_input_is_a_clear_error_and_leaves_the_cache(bad_input_gen, kwargs, exc, match):
+    gen = bad_input_gen
+    before = gen.kv_cache()
+    call = dict(prompts=[[1, 2], [3]], max_new_tokens=4, sampling=None) | kwargs
+    with pytest.raises(exc, match=match):
+        gen.generate(call["prompts"], call["max_new_tokens"], call["sampling"])
+    for (k, v), (k0, v0) in zip(gen.kv_cache(), before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert gen.generate([[1, 2], [3]], 4).tokens.shape == (2, 4)
+
+
+@pytest.fixture(scope="module")
+def bad_input_gen(model):
+    gen = Generator(model, _mesh(("tp",), 2), max_batch=2, max_seq=16, prefill_len=12)
+    gen.generate([[1, 2], [3]], 4)  # the cache holds values to compare
+    return gen
+
+
+def test_bad_construction(model):
+    mesh = _mesh(("tp",), 2)
+    with pytest.raises(ValueError, match="prefill_len"):
+        Generator(model, mesh, max_batch=1, max_seq=8, prefill_len=9)
+    with pytest.raises(ValueError, match="max_batch"):
+        Generator(model, mesh, max_batch=0, max_seq=8, prefill_len=4)
+    with pytest.raises(TypeError, match="model"):
+        Generator(torch.nn.Linear(2, 2), mesh, max_batch=1, max_seq=8, prefill_len=4)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0, top_k=5, seed=1), Sampling(temperature=1.0, top_p=0.9)])
+def test_top_k_and_top_p_equal_eager(model, sampling):
+    gen = Generator(model, _mesh(("tp",), 2), max_batch=4, max_seq=MAX_SEQ, prefill_len=PREFILL)
+    _check_against_eager(model, gen, PROMPTS4, sampling)

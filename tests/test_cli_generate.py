@@ -1,0 +1,29 @@
+"""``spmd generate`` on virtual CPU devices: the report and bad flags."""
+
+import pytest
+
+from spmd import metrics
+from spmd.cli import main
+
+
+def test_generate_small_on_tp2_prints_the_report(capsys):
+    before = metrics.counter("compile_cache.miss").value
+    assert main(["generate", "--small", "--mesh", "tp=2", "--device", "cpu", "--max-new-tokens", "12",
+                 "--batch", "2", "--prompt-len", "5"]) == 0
+    out = capsys.readouterr().out
+    for text in ("TTFT ms", "tokens/s", "p50 ms", "p99 ms", "2 KV heads", "first sequence's tokens"):
+        assert text in out
+    assert metrics.counter("compile_cache.miss").value - before == 2  # warm-up and timed run share programs
+    assert metrics.timer("generate.decode_step").total_samples == 11
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--max-new-tokens", "0"], "--max-new-tokens: expected >= 1"),
+    (["--temperature", "0"], "temperature"),
+    (["--temperature", "1", "--top-p", "1.5"], "top_p"),
+    (["--mesh", "tp=3"], "not divisible"),
+])
+def test_bad_flags_are_one_line_errors(capsys, args, expected):
+    assert main(["generate", "--small", "--device", "cpu", "--mesh", "tp=1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spmd: error:") and expected in err and "Traceback" not in err
