@@ -9,7 +9,6 @@ eager PyTorch in its own dtypes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -164,8 +163,6 @@ class Builder:
 
 
 def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (ascending)."""
     return [k for k in range(1, n + 1) if n % k == 0]
 
-
-def numel(shape) -> int:
-    return math.prod(shape)

@@ -26,10 +26,6 @@ def rand_dim(b: Builder, v: Value) -> int:
     return d - v.rank if b.d.boolean(0.4) else d
 
 
-def _pos(v: Value, d: int) -> int:
-    return d % v.rank
-
-
 # ------------------------------------------------------------------ dots
 
 
