@@ -67,6 +67,8 @@ class Case:
         and resharded by the call, ``reshard_inputs=True``).
       pre_specs: per argument the sharding an array is first placed with ("reshard"/"auto").
       calls: how many calls (each with fresh inputs) through the same ``Jitted``.
+      packed: inputs passed together in one dict argument ``p`` (a params pytree).
+      threads: the first call is made from this many threads at once (concurrent tracing).
     """
 
     inputs: tuple[InputSpec, ...]
@@ -84,6 +86,7 @@ class Case:
     calls: int = 2
     features: frozenset = field(default_factory=frozenset)
     packed: tuple[str, ...] = ()
+    threads: int = 1
 
     def structure(self, per_input: list) -> list:
         """Per-input values (tensors, arrays, specs) as the positional arguments of ``f``: the
@@ -168,6 +171,9 @@ def reproducer(case: Case, note: str = "") -> str:
              f"             donate_argnums={case.donate!r}, options={case.options_text()},",
              f"             reshard_inputs={'auto' in case.arg_modes!r})",
              REPRO_TAIL.strip(), ""]
+    if case.threads > 1:
+        at = lines.index(REPRO_TAIL.strip())
+        lines[at:at] = [THREADS.strip().replace("N_THREADS", str(case.threads)), ""]
     lines.insert(lines.index(f"mesh = {case.mesh_text()}"), STRUCTURE.strip() + "\n\n")
     return "\n".join(lines)
 
@@ -185,6 +191,19 @@ def structure(per_input):
     return flat + ([{n: v for n, v in zip(names, per_input) if n in packed}] if packed else [])
 '''
 
+THREADS = '''
+def threaded_first_call():
+    """The first call from N_THREADS threads at once (concurrent tracing); one thread's result."""
+    import threading
+    results = []
+    def one():
+        results.append(g(*structure([place(t, m, s, p) for t, m, s, p in zip(inputs, modes, in_specs, pre_specs)])))
+    ts = [threading.Thread(target=one) for _ in range(N_THREADS)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    return results[0]
+'''
+
 REPRO_TAIL = '''
 def place(t, mode, spec, pre):
     ns = lambda s: spmd.NamedSharding(mesh, s if s is not None else P())
@@ -197,7 +216,7 @@ def place(t, mode, spec, pre):
 
 
 args = structure([place(t, m, s, p) for t, m, s, p in zip(inputs, modes, in_specs, pre_specs)])
-out = g(*args)
+out = threaded_first_call() if "threaded_first_call" in globals() else g(*args)
 outs = out if isinstance(out, tuple) else (out,)
 f64 = {"F32": F64, "F64": F64, "BF16": F64, "F16": F64}
 g64 = type(f)(f.__code__, {**f.__globals__, **f64})

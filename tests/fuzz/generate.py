@@ -22,8 +22,9 @@ from tests.fuzz.ops_new import NEW_OPS
 
 #: new_ops: the ops other branches are adding (UnsupportedOpError on main);
 #: donation: donate_argnums in ~20% of programs; donate_unread: donation may include an argument
-#: the program never reads; constraints: with_sharding_constraint on intermediates.
-ALL_FEATURES = frozenset({"new_ops", "donation", "donate_unread", "constraints"})
+#: the program never reads; constraints: with_sharding_constraint on intermediates; threads: the
+#: first call of ~10% of the programs without donation is made from 3 threads at once.
+ALL_FEATURES = frozenset({"new_ops", "donation", "donate_unread", "constraints", "threads"})
 
 #: Features excluded from the CI slice because of an open, recorded bug (feature -> finding).
 KNOWN_OPEN: dict[str, str] = {}
@@ -105,7 +106,8 @@ def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozense
     pre = tuple(b.random_spec(i.shape) if m in ("reshard", "auto") else None for i, m in zip(b.inputs, modes))
     return Case(inputs=tuple(b.inputs), body=tuple(b.lines), outputs=outputs, ops=tuple(b.ops),
                 mesh_axes=mesh_axes, device=device, in_specs=in_specs, out_specs=out_specs, options=options,
-                donate=donate, arg_modes=modes, pre_specs=pre, features=frozenset(features), packed=packed)
+                donate=donate, arg_modes=modes, pre_specs=pre, features=frozenset(features), packed=packed,
+                threads=3 if "threads" in features and not donate and d.boolean(0.1) else 1)
 
 
 def _position(inputs, packed: tuple[str, ...], k: int) -> int:

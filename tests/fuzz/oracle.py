@@ -115,15 +115,46 @@ def run_case(case: Case) -> Outcome:
         for call in range(case.calls):
             inputs = [i.make(call) for i in case.inputs]
             eager, e32, ref = references(case, inputs)
-            args = [_place(case, mesh, t, i) for i, t in enumerate(inputs)]
-            out = _tuple(fn(*case.structure(args)))
-            ratios += check_outputs(case, mesh, out, eager, e32, ref)
-            check_inputs(case, call, args)
+
+            def one_call(inputs=inputs, eager=eager, e32=e32, ref=ref, call=call) -> list[float]:
+                args = [_place(case, mesh, t, i) for i, t in enumerate(inputs)]
+                out = _tuple(fn(*case.structure(args)))
+                r = check_outputs(case, mesh, out, eager, e32, ref)
+                check_inputs(case, call, args)
+                return r
+
+            ratios += one_call() if call or case.threads <= 1 else _in_threads(one_call, case.threads)
     except Wrong as w:
         return Outcome("wrong", wrong_signature(case, w.kind), str(w), ratios)
     except Exception as e:  # noqa: BLE001 - every exception is classified
         return classify_exception(case, e)
     return Outcome("match", ratios=ratios)
+
+
+def _in_threads(fn, n: int) -> list[float]:
+    """Run ``fn`` in ``n`` threads at once (the first call traces and compiles concurrently); the
+    first exception any thread raised is re-raised here."""
+    import threading
+
+    results: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def worker(k: int) -> None:
+        try:
+            barrier.wait()
+            results[k] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            results[k] = e
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [x for r in results for x in r]
 
 
 def check_outputs(case: Case, mesh, out: tuple, eager: tuple, e32: tuple, ref: tuple) -> list[float]:
