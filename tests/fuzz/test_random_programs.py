@@ -30,8 +30,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests.fuzz.draw import HypothesisDraw  # noqa: E402
 
-CI_EXAMPLES = int(os.environ.get("SPMD_FUZZ_CI_EXAMPLES", "25"))
-CI_MAX_OPS = 8
+CI_EXAMPLES = int(os.environ.get("SPMD_FUZZ_CI_EXAMPLES", "24"))
+CI_MAX_OPS = 6
 
 
 @settings(max_examples=CI_EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=False,
