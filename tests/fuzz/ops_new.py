@@ -69,6 +69,8 @@ def op_gather(b: Builder) -> None:
             b.emit(f"torch.scatter_add({a.name}, {d}, {idx}, {src})")
         return
     m = b.d.choice((3, 1, 5))
+    if kind == "index_put":
+        d = 0  # index_put((idx,), ...) indexes dim 0
     idx = b.new_input((m,), torch.int64, high=a.shape[d])
     if kind == "index_select":
         b.emit(f"torch.index_select({a.name}, {d}, {idx})")

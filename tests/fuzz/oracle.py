@@ -6,6 +6,7 @@ Outcome classes:
   unsupported  ``spmd.UnsupportedOpError``, or a ValueError/TypeError listed in USER_ERRORS.
   crash        any other exception from spmd (an internal error reaching the user).
   wrong        a wrong shape, dtype, output sharding or value, a modified input, a live donated array.
+  invalid      the program fails in eager PyTorch itself (a generator defect; not counted against spmd).
 
 Tolerance (values). Per float output, errors are measured against the program run in float64 (the
 inputs as drawn, upcast exactly; every cast in the program to F32/F64/BF16/F16 becomes float64), as
@@ -114,7 +115,11 @@ def run_case(case: Case) -> Outcome:
         fn = jitted(case, mesh)
         for call in range(case.calls):
             inputs = [i.make(call) for i in case.inputs]
-            eager, e32, ref = references(case, inputs)
+            try:
+                eager, e32, ref = references(case, inputs)
+            except Exception as e:  # noqa: BLE001 - the generator made a program eager rejects
+                return Outcome("invalid", f"generator: eager failed: {type(e).__name__}: {normalise(str(e))}",
+                               traceback.format_exc()[-1500:])
 
             def one_call(inputs=inputs, eager=eager, e32=e32, ref=ref, call=call) -> list[float]:
                 args = [_place(case, mesh, t, i) for i, t in enumerate(inputs)]

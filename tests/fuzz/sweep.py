@@ -23,7 +23,7 @@ from tests.fuzz.draw import RandomDraw
 from tests.fuzz.generate import ALL_FEATURES, default_features, generate_case, op_kinds
 from tests.fuzz.oracle import Outcome, run_case
 
-FAILING = ("crash", "wrong", "timeout")
+FAILING = ("crash", "wrong", "timeout", "invalid")
 
 
 def make_case(args, i: int, draw=None):
@@ -215,7 +215,7 @@ def summary(report: dict) -> str:
     lines = [f"{report['programs']} programs, seed {report['seed']}, device {report['device']}, "
              f"{report['elapsed_s']} s"]
     total = max(1, report["programs"])
-    for cls in ("match", "unsupported", "crash", "wrong", "timeout"):
+    for cls in ("match", "unsupported", "crash", "wrong", "timeout", "invalid"):
         k = report["counts"].get(cls, 0)
         lines.append(f"  {cls:<12} {k:>7}  {100 * k / total:5.1f}%")
     for key, k in sorted(report["counts_by_donation"].items()):

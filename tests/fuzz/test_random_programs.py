@@ -58,7 +58,7 @@ def test_sweep(tmp_path):
     args = parse_args(argv)
     report = run_jobs(args, argv) if jobs > 1 else sweep(args)
     print(summary(report))
-    assert not any(report["counts"].get(c) for c in ("crash", "wrong", "timeout")), summary(report)
+    assert not any(report["counts"].get(c) for c in ("crash", "wrong", "timeout", "invalid")), summary(report)
 
 
 # ---------------------------------------------------------------------------- the tester itself
