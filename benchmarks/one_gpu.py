@@ -345,7 +345,6 @@ def main(argv=None) -> int:
         common.require_cuda("benchmarks.one_gpu")
     import torch
 
-    torch.set_grad_enabled(False)
     torch.set_float32_matmul_precision("highest")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     log = lambda s: print(f"  {s}", flush=True)  # noqa: E731
@@ -355,7 +354,8 @@ def main(argv=None) -> int:
     records = []
     for row in rows:
         try:
-            records.append(run_row(row, args, device, limits, log))
+            with torch.no_grad():
+                records.append(run_row(row, args, device, limits, log))
         except Exception as exc:
             log(f"{row.name}: failed: {type(exc).__name__}: {exc}")
     variants = [v for v in args.variants if any(r["ms"].get(v) is not None for r in records)]

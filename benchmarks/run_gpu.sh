@@ -2,16 +2,20 @@
 # The one script that runs spmd's GPU tests and benchmarks on a lent GPU machine.
 #
 # Usage (from anywhere; it cds to the repository root):
-#   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | cm | dispatch | onegpu | all (default: all)
+#   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | fuzz | cm | dispatch | onegpu | decode | train | all
+#                                          (default: all)
 # Environment knobs:
-#   OUT=dir          where logs/results go (default /tmp/spmd_bench_out); at most 6 files are written there:
-#                    run.log, gpu_tests.log, cm_results.json, benchmarks_collective_matmul.png,
-#                    dispatch_results.json, benchmarks.md (docs/benchmarks.md with the new row sets)
+#   OUT=dir          where logs/results go (default /tmp/spmd_bench_out): run.log, gpu_tests.log,
+#                    fuzz_gpu.json, cm_results.json, benchmarks_collective_matmul.png, dispatch_results.json,
+#                    one_gpu_results.json, benchmarks.md (docs/benchmarks.md with the new row sets)
 #   BUDGET_S=560     wall-clock seconds for all selected stages together (one device call is <= 600 s)
 #   TP=N             GPUs to use (default: all visible)
 #   CM_ARGS=...      extra options for benchmarks/collective_matmul.py (e.g. "--shapes 4096,4096,4096")
 #   DISPATCH_ARGS=.. extra options for benchmarks/dispatch.py
 #   ONE_GPU_ARGS=..  extra options for benchmarks/one_gpu.py (e.g. "--rows llama2-2l-bf16-1x1")
+#   DECODE_ARGS=..   extra options for benchmarks/decode.py (e.g. "--batch 1 --rounds 2")
+#   TRAIN_ARGS=..    extra options for benchmarks/train.py (e.g. "--model gpt3 --layers 1")
+#   FUZZ_N=400       random programs in the GPU slice of the differential tester (tests/fuzz/sweep.py)
 #   PYTEST_ARGS=...  extra options for pytest (e.g. "-k windowed")
 #   INSTALL=1        `pip install --no-deps --no-build-isolation -e .` first (default: PYTHONPATH only)
 # Every stage runs under `timeout`; a failing stage is logged and the next one still runs.
@@ -39,13 +43,13 @@ stages=("$@")
 selected=()
 for s in "${stages[@]}"; do
   case "$s" in
-    all) selected+=(tests cm dispatch onegpu) ;;
-    env|tests|cm|dispatch|onegpu) selected+=("$s") ;;
-    *) echo "unknown stage '$s': expected env, tests, cm, dispatch, onegpu or all"; exit 2 ;;
+    all) selected+=(tests fuzz cm dispatch onegpu decode train) ;;
+    env|tests|fuzz|cm|dispatch|onegpu|decode|train) selected+=("$s") ;;
+    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train or all"; exit 2 ;;
   esac
 done
 
-declare -A WEIGHT=([tests]=2 [cm]=6 [dispatch]=2 [onegpu]=4)
+declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2)
 declare -A RESULT=()
 START=$SECONDS
 
@@ -115,6 +119,12 @@ for s in "${selected[@]}"; do
     # shellcheck disable=SC2086
     onegpu) run_stage onegpu "$secs" python3 -m benchmarks.one_gpu --out "$OUT" --doc docs/benchmarks.md \
           ${ONE_GPU_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    decode) run_stage decode "$secs" python3 -m benchmarks.decode --doc ${DECODE_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    train) run_stage train "$secs" python3 -m benchmarks.train --doc docs/benchmarks.md ${TRAIN_ARGS:-} ;;
+    fuzz) run_stage fuzz "$secs" python3 -m tests.fuzz.sweep --device cuda --n "${FUZZ_N:-400}" --seed "$RANDOM" \
+          --budget-s $(( secs - 20 )) --out "$OUT/fuzz_gpu.json" ;;
   esac
 done
 

@@ -147,12 +147,17 @@ def test_unsupported_op_names_op_and_user_line():
     assert "torch.kthvalue" in src
 
 
-def test_unsupported_fft_and_layer_norm_stats_use():
+def test_unsupported_fft():
     with pytest.raises(UnsupportedOpError, match="fft"):
         import_program(lambda x: torch.fft.fft(x).real, (torch.randn(8),))
-    with pytest.raises(UnsupportedOpError, match="native_layer_norm mean"):
-        import_program(lambda x: torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5)[1] + 1,
-                       (torch.randn(3, 8),))
+
+
+def test_layer_norm_statistics_are_computed():
+    # native_layer_norm's mean and rstd (what its backward reads) equal ATen's
+    fn = lambda x: tuple(torch.ops.aten.native_layer_norm(x, [8], None, None, 1e-5))  # noqa: E731
+    x = torch.randn(3, 8, dtype=torch.float64)
+    _, got = run_imported(fn, (x,))
+    assert_close_tree(tuple(got), fn(x), rtol=1e-12, atol=1e-12)
 
 
 def test_dropout_in_training_mode_takes_a_random_key_last():

