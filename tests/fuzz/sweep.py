@@ -85,7 +85,7 @@ def sweep(args) -> dict:
         if n % 200 == 0:
             spmd_jit._GLOBAL_CACHE.clear()  # bound memory over long sweeps
         over = args.budget_s and time.monotonic() - start > args.budget_s
-        if n % 25 == 0 or n == args.n or over:
+        if n % 5 == 0 or n == args.n or over:
             report = _report(args, counts, by_donation, sigs, ops, ratios, n, time.monotonic() - start)
             if args.out:
                 with open(args.out, "w") as fh:
@@ -234,11 +234,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start", type=int, default=0, help="index of the first program")
     p.add_argument("--only", type=int, default=None, help="run program INDEX alone and print its reproducer")
-    p.add_argument("--out", default=None, help="JSON report path (rewritten every 25 programs)")
+    p.add_argument("--out", default=None, help="JSON report path (rewritten every 5 programs)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--cuda-devices", type=int, default=1)
     p.add_argument("--max-ops", type=int, default=12)
-    p.add_argument("--timeout-s", type=int, default=300, help="per-program time limit (0 = none)")
+    p.add_argument("--timeout-s", type=int, default=120, help="per-program time limit (0 = none)")
     p.add_argument("--without", default="", help="comma-separated features to leave out "
                    f"(of {', '.join(sorted(ALL_FEATURES))})")
     p.add_argument("--exclude-ops", default="", help="comma-separated op kinds never to draw (of "
