@@ -3,7 +3,7 @@
 ``generate_case(draw, seed)`` makes every decision through ``draw`` (``tests.fuzz.draw``), so the
 same function backs the hypothesis tests (which shrink) and the seeded sweep.
 
-Features (``DEFAULT_FEATURES``) switch parts of the generator on; ``KNOWN_OPEN`` names features
+Features (``ALL_FEATURES``, ``default_features()``) switch parts of the generator on; ``KNOWN_OPEN`` names features
 that hit a bug recorded in /work/notes/fuzz_findings.md and being fixed elsewhere: the CI slice
 leaves them out (``ci_features()``) until the fix lands, the sweep keeps them.
 """
@@ -53,6 +53,7 @@ def ci_features() -> frozenset[str]:
 
 
 def draw_mesh(d: Draw, device: str, cuda_devices: int) -> tuple[tuple[str, int], ...]:
+    """((axis, size), ...): a 1-d or (35%) 2-d CPU mesh of 1-8 devices; on CUDA one axis of ``cuda_devices``."""
     if device == "cuda":
         return (("tp", cuda_devices),)
     if d.boolean(0.35):
