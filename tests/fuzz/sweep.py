@@ -5,7 +5,8 @@ rebuilt by ``--only i``), classifies each (``tests.fuzz.oracle``), and writes a 
 counts per class (with and without donation), the distinct failure signatures with a reproducer of
 the first (optionally shrunk, ``--shrink``) case of each, and the spread of error/tolerance ratios
 of the matches. Needs only torch (hypothesis is not used). ``--device cuda`` runs on a mesh of
-``--cuda-devices`` GPUs (default 1).
+``--cuda-devices`` GPUs (default 1). ``SPMD_FUSION_COMPILER=inductor`` in the environment runs the
+fusions as Inductor-generated kernels on CPU too (the code path CUDA graphs use on GPUs).
 """
 
 from __future__ import annotations
