@@ -6,9 +6,9 @@ Usage (repository root)::
     python3 -m benchmarks.decode --device cpu --small     # dry run on CPU in seconds (no docs row set)
 
 Per batch size, in the same process and interleaved (round r runs every variant once, A B C,
-A B C, ...), each variant generates ``--new-tokens`` greedy tokens after a ``--prompt-len``
-prompt, with a static KV cache of ``prompt + new - 1`` slots; the medians over rounds are
-reported:
+A B C, ...; ``--warmup-rounds`` untimed rounds first), each variant generates ``--new-tokens``
+greedy tokens after a ``--prompt-len`` prompt, with a static KV cache of ``prompt + new - 1``
+slots; the medians over rounds are reported:
 
 * ``spmd``: ``spmd.Generator`` on a one-device mesh (prefill and decode programs, the decode
   step captured as a CUDA graph; KV cache donated);
@@ -139,7 +139,8 @@ def bench_batch(args, batch: int, device: str, log) -> list[dict]:
     runs: dict[str, list] = {k: [] for k in variants}
     errors: dict[str, str] = {}
     peak: dict[str, float] = {}
-    for r in range(args.rounds + 1):  # round 0 compiles and warms up, untimed
+    warm = args.warmup_rounds  # untimed: compilation, then CUDA-graph capture (the second call of a program)
+    for r in range(warm + args.rounds):
         for name, fn in variants.items():
             if name in errors:
                 continue
@@ -153,7 +154,7 @@ def bench_batch(args, batch: int, device: str, log) -> list[dict]:
                 continue
             if device.startswith("cuda"):
                 peak[name] = torch.cuda.max_memory_allocated() / 2**30
-            if r:
+            if r >= warm:
                 runs[name].append(res)
             log(f"batch {batch} round {r}: {name} ttft {res[0] * 1e3:.1f} ms, decode {res[1]:.3f} s")
     ref = runs.get("torch.compile", [None])[-1] if runs.get("torch.compile") else None
@@ -205,7 +206,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (after one warm-up round)")
+    p.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds")
+    p.add_argument("--warmup-rounds", type=int, default=2,
+                   help="untimed rounds first (default 2: compile, then capture CUDA graphs)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="peak HBM bandwidth, TB/s (H200: 4.8)")
     p.add_argument("--doc", dest="doc", action="store_true", default=None, help="append a row set to the docs")
@@ -213,6 +216,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.small:
         args.prompt_len, args.new_tokens = min(args.prompt_len, 16), min(args.new_tokens, 24)
+    if args.warmup_rounds < 0:
+        p.error(f"--warmup-rounds: expected >= 0, got {args.warmup_rounds}")
     for name in ("layers", "prompt_len", "new_tokens", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
@@ -230,7 +235,8 @@ def main(argv=None) -> int:
         records += bench_batch(args, batch, device, log)
     shape = "small (hidden 64, 2 layers, float32)" if args.small else f"Llama-2-7B, {args.layers} layers, bf16"
     title = (f"decode: {shape}, prompt {args.prompt_len}, {args.new_tokens} new tokens, one "
-             f"{'GPU' if args.device == 'cuda' else 'CPU'}, greedy, medians of {args.rounds} interleaved rounds")
+             f"{'GPU' if args.device == 'cuda' else 'CPU'}, greedy, medians of {args.rounds} interleaved rounds "
+             f"after {args.warmup_rounds} untimed")
     rows = table_rows(records)
     reporting.print_table(title, HEADERS, rows)
     for r in records:

@@ -215,18 +215,47 @@ class ShardedArray:
         """The global value as a new tensor **on the CPU** (waits for the devices first).
 
         Replicas are read once; partial addends are summed; padding is
-        dropped. Raises DeletedArrayError for a deleted or donated array.
+        dropped. On a mesh spanning processes this works when this process's
+        shards hold the whole value (e.g. a replicated array, or one split
+        only over axes inside the process), as ``np.asarray`` of a fully
+        replicated ``jax.Array``. Raises DeletedArrayError for a deleted or
+        donated array, ValueError when other processes hold parts of the value
+        (gather those with ``spmd.distributed.process_allgather``).
         """
         self._check_alive("to_torch")
-        if not self.is_fully_addressable:
+        if not self.is_fully_addressable and not self._locally_complete():
             raise ValueError(_not_addressable(self, "to_torch"))
         self.block_until_ready()
         start = time.perf_counter()
         mesh = self._sharding.mesh
-        out = unshard_tensors(self._buffers, self._tensor_sharding(), mesh.shape, tuple(self._shape))
+        if self.is_fully_addressable:
+            out = unshard_tensors(self._buffers, self._tensor_sharding(), mesh.shape, tuple(self._shape))
+        else:
+            out = self._local_value()
         out = out.cpu() if out.device.type != "cpu" else out
         _FROM_DEVICE.record(time.perf_counter() - start)
         _FROM_DEVICE_BYTES.inc(out.nbytes)
+        return out
+
+    def _tile_key(self, pid: int) -> tuple:
+        ts, coords = self._tensor_sharding(), self._sharding.mesh.shape.coords(pid)
+        return tuple(coords[a] for d in ts.dims for a in d)
+
+    def _locally_complete(self) -> bool:
+        """Whether this process's shards hold every tile of a non-partial value."""
+        mesh = self._sharding.mesh
+        if self._tensor_sharding().partial:
+            return False
+        local = {self._tile_key(p) for p in mesh.local_pids}
+        return local == {self._tile_key(p) for p in range(mesh.num_devices)}
+
+    def _local_value(self) -> torch.Tensor:
+        """The global value assembled from this process's shards (``_locally_complete`` holds)."""
+        out = None
+        for shard in self.addressable_shards:
+            if out is None:
+                out = torch.empty(tuple(self._shape), dtype=self._dtype, device=shard.data.device)
+            out[shard.index] = shard.data
         return out
 
     @property

@@ -5,6 +5,7 @@ sharded KV cache, ``spmd.cli_generate``).
     python -m spmd demo                       # all local GPUs, else 4 virtual CPU devices
     python -m spmd run --model gpt3-layer --mesh tp=2 --layers 2 --dtype bfloat16
     python -m spmd generate --model llama2-7b --layers 4 --mesh tp=2 --max-new-tokens 128
+    torchrun --nproc-per-node 2 -m spmd demo  # one mesh over both processes; rank 0 prints
 
 Bad input (unknown model, malformed ``--mesh``, a mesh larger than the devices present, heads
 or FFN not divisible by tp, model files missing) ends with a one-line ``spmd: error: ...`` on
@@ -132,7 +133,7 @@ def build_workload(args, mesh, dp_axis: str | None) -> Workload:
     """Build the model named by ``args.model`` and its inputs; checks the plan on shapes first."""
     from spmd.models.plans import resolve_plan
 
-    first = mesh.devices[0]
+    first = mesh.local_devices[0]  # this process's first device (the mesh may span processes)
     batch_spec = dp_axis  # inputs split on batch over dp, if the mesh has a dp axis
     if args.model == "minilm":
         return _minilm_workload(args, mesh, batch_spec)
@@ -424,5 +425,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         msg = " ".join(str(e).split())
-        print(f"spmd: error: {msg}", file=sys.stderr)
+        where = f" (rank {os.environ.get('RANK')})" if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
+        print(f"spmd: error{where}: {msg}", file=sys.stderr)
         return EXIT_USAGE

@@ -8,7 +8,8 @@ median ms per call of each (interleaved rounds, ``benchmarks.common.interleaved`
 concatenate kernels left per call, and then replaces and updates parameters in place between
 graph replays, checking every result against eager and that nothing was captured again.
 
-Usage: ``python3 -m benchmarks.probe.hoist_check [--layers 2] [--shapes 1x1,1x128] [--rounds 5]``
+Usage: ``python3 -m benchmarks.probe.hoist_check [--layers 2] [--shapes 1x1,1x128] [--rounds 5]``;
+``--device cpu --small`` is a dry run on the CPU (tiny Llama shapes, float32).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--shapes", default="1x1,1x128", help="comma-separated batch x sequence")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="cuda:0", help="cuda:0, or cpu for a dry run")
+    ap.add_argument("--small", action="store_true", help="tiny Llama shapes (hidden 64) for a dry run")
     args = ap.parse_args(argv)
 
     import torch
@@ -82,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     from spmd.parallelize import parallelize
 
     torch.manual_seed(0)
-    model = llama_layers("llama2-7b", layers=args.layers, dtype=torch.bfloat16, device="cuda:0")
-    mesh = spmd.Mesh.create(("tp",), devices="cuda:0")
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model = llama_layers("llama2-7b", layers=args.layers, dtype=dtype, device=args.device, small=args.small)
+    hidden = model.config.hidden_size
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:1" if args.device == "cpu" else args.device)
     failures = []
     for shape in args.shapes.split(","):
         b, s = (int(v) for v in shape.split("x"))
-        x = torch.randn(b, s, 4096, dtype=torch.bfloat16, device="cuda:0")
+        x = torch.randn(b, s, hidden, dtype=dtype, device=args.device)
         xs = spmd.device_put(x, spmd.NamedSharding(mesh, spmd.PartitionSpec()))
         pms = {name: parallelize(model, mesh, llama_plan(), options=spmd.CompileOptions(**opts))
                for name, opts in VARIANTS.items()}
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
         fns = {name: (lambda pm=pm, xs=xs: pm(xs)) for name, pm in pms.items()}
         fns["eager"] = eager
-        res = common.interleaved(fns, ["cuda:0"], rounds=args.rounds, reps=50, warmup=5)
+        res = common.interleaved(fns, [args.device], rounds=args.rounds, reps=50, warmup=5)
         base = res["hoist"].median_ms
         for name, m in res.items():
             print(f"{shape} {name}: {m.median_ms:.4f} ms per call ({m.median_ms / base:.2f}x hoist)" if m.median_ms

@@ -54,11 +54,14 @@ def guarded(comm: Any, op: str, ranks: tuple[int, ...]):
     except Exception as e:  # gloo / NCCL raise RuntimeError (DistBackendError) on timeout or a lost peer
         state = comm.state
         key = f"fail/{comm.comm_id}/{comm.calls}"
-        state.store.set(f"{key}/{state.info.rank}", "1")
-        grace = min(GRACE_S, state.info.timeout_s / 2)
-        missing = wait_keys(state, [f"{key}/{r}" for r in ranks], grace)
-        gone = sorted(int(k.rsplit("/", 1)[1]) for k in missing)
-        who = f"{fmt_ranks(gone)} did not arrive" if gone else f"{fmt_ranks(ranks)} failed together"
+        try:
+            state.store.set(f"{key}/{state.info.rank}", "1")
+            grace = min(GRACE_S, state.info.timeout_s / 2)
+            missing = wait_keys(state, [f"{key}/{r}" for r in ranks], grace)
+            gone = sorted(int(k.rsplit("/", 1)[1]) for k in missing)
+            who = f"{fmt_ranks(gone)} did not arrive" if gone else f"{fmt_ranks(ranks)} failed together"
+        except Exception:  # the store's host process died too: the missing ranks cannot be told
+            gone, who = [], f"the store is unreachable, so which of {fmt_ranks(ranks)} failed is unknown"
         cause = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DistributedTimeoutError(
             f"{op} (collective #{comm.calls}) of program {comm.program!r}: {who} (bound {state.info.timeout_s:g} s; "

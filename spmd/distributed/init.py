@@ -34,6 +34,9 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
         exchanges, the program fingerprint check); default ``$SPMD_DISTRIBUTED_TIMEOUT_S`` or 300.
       init_method, rank, world_size: as for ``torch.distributed.init_process_group``; default from
         the torchrun environment.
+    An already initialised default group is adopted as it is (its own timeout then bounds its
+    collectives; ``timeout_s`` still bounds ``spmd``'s store exchanges and new sub-groups).
+
     Returns:
       This process's ``ProcessInfo`` (idempotent: a second call returns the first result).
     Raises:

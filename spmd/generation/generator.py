@@ -107,9 +107,9 @@ class Generator:
             raise ValueError(f"prefill_len: expected <= max_seq ({max_seq}), got {prefill_len}")
         self.model, self.mesh = model, mesh
         self.max_batch, self.max_seq, self.prefill_len = max_batch, max_seq, prefill_len
-        # merge-dots concatenates the merged weights on every call until weight-only work is
-        # hoisted out of the step; for a weight-bound decode step that costs more than it saves
-        self.options = options or CompileOptions(merge_dots=False)
+        # the parameters are weight_argnums of both programs: merged Q/K/V and gate/up weights
+        # are concatenated once per weight version (hoist-weights), not on every step
+        self.options = options or CompileOptions()
         cfg = model.config
         self.dp, tp = _axis(mesh, "dp"), _axis(mesh, "tp")
         tp_size = mesh.axis_size(tp) if tp else 1
@@ -157,9 +157,9 @@ class Generator:
 
         kv, b, b2, r = self._kv_specs(), self._batch, self._batch2, self._repl
         pre = jit(prefill, mesh=self.mesh, in_shardings=(None, b2, b, kv, b2, b2), out_shardings=(b, kv, b2, b2),
-                  donate_argnums=(3, 4, 5), options=self.options)
+                  donate_argnums=(3, 4, 5), weight_argnums=0, options=self.options)
         dec = jit(decode, mesh=self.mesh, in_shardings=(None, b, r, b, kv, b2, b2), out_shardings=(b, r, kv, b2, b2),
-                  donate_argnums=(4, 5, 6), options=self.options)
+                  donate_argnums=(4, 5, 6), weight_argnums=0, options=self.options)
         return pre, dec
 
     # ------------------------------------------------------------------ inputs
@@ -239,7 +239,9 @@ class Generator:
             raise ValueError(f"stream_every: expected an int >= 0, got {stream_every!r}")
         prefill, decode = self.programs(sampling)
         tokens, start = self.pad_prompts(ids)
-        rng = device_put(initial_rng_state(self.max_batch, self.model.config.vocab_size, sampling.seed), self._batch2)
+        # greedy decoding reads no random numbers: a [B, 1] placeholder keeps the program signature
+        lanes = 1 if sampling.greedy else self.model.config.vocab_size
+        rng = device_put(initial_rng_state(self.max_batch, lanes, sampling.seed), self._batch2)
         history = device_put(torch.zeros(self.max_batch, self.max_seq - self.prefill_len + 1, dtype=torch.int64),
                              self._batch2)
         n = len(ids)

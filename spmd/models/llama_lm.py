@@ -55,22 +55,37 @@ LM_SMALL = LlamaLMConfig(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_size=1
 
 
 def rotary_at(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for integer positions ``pos`` [B, S] -> each [B, 1, S, head_dim] (for [B, nh, S, hd])."""
+    """cos and signed sin for integer positions ``pos`` [B, S] -> each [B, 1, S, 2, head_dim / 2].
+
+    The head dim is split in its two rotary halves (``_rotate``); ``sin[..., 0, :]`` is negated,
+    so the rotate-half product needs no concatenation (only elementwise ops, slices and
+    broadcasts, which fuse into one kernel), with the same values as the textbook form.
+    """
+    half = head_dim // 2
     inv_freq = torch.exp(torch.arange(0, head_dim, 2, device=pos.device).float() * (-math.log(theta) / head_dim))
     angles = pos.float()[:, :, None] * inv_freq  # [B, S, hd/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    angles = angles[:, None, :, None, :].expand(pos.shape[0], 1, pos.shape[1], 2, half)
+    sign = torch.arange(2, device=pos.device).float()[:, None] * 2 - 1  # [[-1], [1]]
+    return angles.cos().to(dtype), (angles.sin() * sign).to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    """Rotate-half rotary embedding (Su et al., "RoFormer", 2021; Hugging Face's Llama form).
+
+    x [B, nh, S, hd]; cos, sin from ``rotary_at``. Equals ``x * cos + cat(-x2, x1) * sin`` of
+    the full-width tables: the halves are swapped with a select over a broadcast instead of a
+    concatenation.
+    """
+    xv = x.unflatten(-1, (2, x.shape[-1] // 2))  # [B, nh, S, 2, hd/2]
+    first_half = torch.arange(2, device=x.device)[:, None] == 0
+    swapped = torch.where(first_half, xv[..., 1:, :], xv[..., :1, :])
+    return (xv * cos + swapped * sin).flatten(-2)
 
 
 def write_cache(cache: torch.Tensor, new: torch.Tensor, slot, mode: str) -> torch.Tensor:
     """``cache`` [B, nkv, max_seq, hd] with ``new`` [B, nkv, S, hd] written at slots ``slot .. slot+S-1``.
 
-    ``slot`` is a Python int (a static slice: the prefill) or an int64 tensor [] (the decode
+    ``slot`` is a Python int (a static slice, ``slice_scatter``: the prefill) or an int64 tensor [] (the decode
     step's device position). ``mode`` "index" writes with ``index_copy`` (a dynamic-update-slice
     in the compiled program); "mask" selects with ``torch.where`` over the slot dim (needs S == 1).
     Functional: returns the new cache (a compiled step donating the cache writes it in place).
@@ -84,14 +99,22 @@ def write_cache(cache: torch.Tensor, new: torch.Tensor, slot, mode: str) -> torc
         else:
             cache.index_copy_(2, slot.reshape(1) + torch.arange(s, device=cache.device), new)
         return cache
-    if isinstance(slot, int):
-        parts = [cache[:, :, :slot], new, cache[:, :, slot + s:]]
-        return torch.cat([p for p in parts if p.shape[2]], dim=2)
+    if isinstance(slot, int):  # a dynamic-update-slice at a constant start (in place when donated)
+        return torch.slice_scatter(cache, new, dim=2, start=slot, end=slot + s)
     if mode == "index":
         return cache.index_copy(2, slot.reshape(1) + torch.arange(s, device=cache.device), new)
     assert s == 1, "the mask cache update writes one slot"
     hit = torch.arange(max_seq, device=cache.device)[:, None] == slot
     return torch.where(hit, new, cache)
+
+
+def _repeat_kv(cache: torch.Tensor, c: LlamaConfig) -> torch.Tensor:
+    """[B, nkv, n, hd] -> [B, nh, n, hd], each KV head repeated for its query heads (GQA); as is for MHA."""
+    rep = c.num_heads // c.num_kv_heads
+    if rep == 1:
+        return cache
+    b, _, n, hd = cache.shape
+    return cache[:, :, None].expand(b, c.num_kv_heads, rep, n, hd).reshape(b, c.num_heads, n, hd)
 
 
 class CachedLlamaAttention(LlamaAttention):
@@ -110,9 +133,7 @@ class CachedLlamaAttention(LlamaAttention):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache = write_cache(k_cache, k, slot, self.cache_update)
         v_cache = write_cache(v_cache, v, slot, self.cache_update)
-        rep, n = c.num_heads // c.num_kv_heads, k_cache.shape[2]
-        keys = k_cache[:, :, None].expand(b, c.num_kv_heads, rep, n, c.head_dim).reshape(b, c.num_heads, n, c.head_dim)
-        vals = v_cache[:, :, None].expand(b, c.num_kv_heads, rep, n, c.head_dim).reshape(b, c.num_heads, n, c.head_dim)
+        keys, vals = _repeat_kv(k_cache, c), _repeat_kv(v_cache, c)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, h)), k_cache, v_cache
 

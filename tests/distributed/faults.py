@@ -30,32 +30,37 @@ def _catch(fn) -> str:
     return "no error"
 
 
-def dying_worker(rank: int, world: int, init_method: str, out: str, timeout_s: float, hang: bool = False) -> None:
-    """After one good step, rank 1 exits (or, with ``hang``, stops) inside the second collective of the next step."""
-    init(rank, world, init_method, timeout_s=timeout_s)
-    mesh = Mesh.create({"dp": 2, "tp": world // 2}, devices="cpu:1")
-    args = (torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 16))
-    f = spmd.jit(mlp, mesh=mesh, in_shardings=(P("dp"), P(None, "tp"), P("tp", None)), out_shardings=P())
-    f(*args)
-    if rank == 1:
-        from spmd.runtime.comm.multiprocess import MultiProcessCommunicator
+def two_layers(x, w1, w2):
+    return mlp(mlp(x, w1, w2), w1, w2)
 
-        run = MultiProcessCommunicator.run
+
+def dying_worker(rank: int, world: int, init_method: str, out: str, timeout_s: float, hang: bool = False) -> None:
+    """After one good step, rank 1 exits (or, with ``hang``, stops) at the second collective of the next step.
+
+    Writes ``"<seconds rank 0 waited> <collectives per step>\n<error>"``."""
+    init(rank, world, init_method, timeout_s=timeout_s)
+    mesh = Mesh.create({"tp": world}, devices="cpu:1")
+    args = (torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 16))
+    f = spmd.jit(two_layers, mesh=mesh, in_shardings=(P(), P(None, "tp"), P("tp", None)), out_shardings=P())
+    f(*args)
+    comm = next(iter(f._cache.values())).executable._comm
+    per_step = comm.calls + 1  # collectives of one step
+    assert per_step >= 2, per_step
+    if rank == 1:
+        run = type(comm).run
 
         def die(self, *a, **k):
-            if self.calls >= 0:  # the first collective of this step ran; die in the next one
+            if self.calls + 1 == per_step + 1:  # about to run the second collective of the second step
                 deadline = time.monotonic() + (4 * timeout_s if hang else 0)
                 while time.monotonic() < deadline and not Path(out, "rank0.txt").exists():
                     time.sleep(0.2)  # hang until rank 0 has failed (bounded)
                 os._exit(3)
             return run(self, *a, **k)
 
-        MultiProcessCommunicator.run = die
-        for comm in (f._fast[1].executable._comm,):
-            comm.calls = -1
+        type(comm).run = die
     start = time.monotonic()
     text = _catch(lambda: spmd.distributed.process_allgather(f(*args)))
-    _write(out, rank, f"{time.monotonic() - start:.1f}\n{text}")
+    _write(out, rank, f"{time.monotonic() - start:.1f} {per_step}\n{text}")
     os._exit(0)  # the group cannot be shut down cleanly with a dead peer
 
 
@@ -72,6 +77,9 @@ def bad_input_worker(rank: int, world: int, init_method: str, out: str) -> None:
         mesh = Mesh.create({"dp": world, "tp": 2}, devices="cpu:2")
         a = spmd.device_put(torch.randn(8, 4), NamedSharding(mesh, P("dp")))
         lines.append("to_torch: " + _catch(a.to_torch))
+        value = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))  # the same on every rank
+        inside = [spmd.device_put(value, NamedSharding(mesh, spec)) for spec in (P(), P(None, "tp"))]
+        lines.append("locally-complete: " + str([torch.equal(b.to_torch(), value) for b in inside]))
         lines.append("shards: " + _catch(lambda: a.shards))
         local = torch.randn(4 + rank, 4)
         lines.append("local_data: " + _catch(lambda: spmd.distributed.make_array_from_process_local_data(

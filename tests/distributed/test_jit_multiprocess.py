@@ -35,3 +35,12 @@ def test_two_hosts_of_two_processes_under_torchrun():
     for node, run in enumerate(runs):
         assert run.returncode == 0, f"node {node}:\n{run.stdout}\n{run.stderr[-4000:]}"
     assert "ok 4 processes, nodes 2" in runs[0].stdout, runs[0].stdout
+
+
+@pytest.mark.gpu(count=2)
+def test_two_processes_of_one_gpu_under_torchrun():
+    """NCCL between 2 processes of one GPU each (``reduce`` mode, the CUDA default) equals one CPU process."""
+    (run,) = torchrun(1, 2, ["tests/distributed/torchrun_main.py", "dp=1,tp=2", "1"],
+                      env={"SPMD_TEST_PLATFORM": "cuda", "SPMD_DISTRIBUTED_REDUCE": "reduce"})
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-4000:]}"
+    assert "ok 2 processes" in run.stdout, run.stdout

@@ -158,7 +158,8 @@ def held_worker(rank: int, world: int, init_method: str | None, axes: dict, per:
         os.environ["SPMD_DISTRIBUTED_REDUCE"] = reduce
     init(rank, world, init_method, node=rank // node_size if node_size else None)
     try:
-        mesh = Mesh.create(axes, devices=f"cpu:{per}")
+        platform = os.environ.get("SPMD_TEST_PLATFORM", "cpu")  # "cuda" in the GPU test
+        mesh = Mesh.create(axes, devices=f"{platform}:{per}")
         assert mesh.is_multi_process and mesh.process_count == world
         assert mesh.local_pids == tuple(range(rank * per, rank * per + per)), mesh.local_pids
         check_programs(mesh, names)

@@ -63,3 +63,19 @@ def test_plan_replicates_kv_heads_when_tp_exceeds_them(tp):
     assert specs["layers.0.self_attn.q_proj.weight"] == spmd.PartitionSpec("tp")
     assert specs["lm_head.weight"] == spmd.PartitionSpec("tp")
     assert specs["embed_tokens.weight"] == spmd.PartitionSpec()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_without_concatenation_equals_the_rotate_half_form(dtype):
+    import math
+
+    from spmd.models.llama import apply_rotary
+    from spmd.models.llama_lm import _rotate, rotary_at
+
+    pos = torch.randint(0, 300, (3, 5))
+    x = torch.randn(3, 4, 5, 16).to(dtype)
+    cos, sin = rotary_at(pos, 16, 10000.0, dtype)
+    inv = torch.exp(torch.arange(0, 16, 2).float() * (-math.log(10000.0) / 16))
+    angles = pos.float()[:, :, None] * inv
+    angles = torch.cat([angles, angles], -1)[:, None]
+    assert torch.equal(_rotate(x, cos, sin), apply_rotary(x, angles.cos().to(dtype), angles.sin().to(dtype)))

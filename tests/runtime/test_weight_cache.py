@@ -213,3 +213,16 @@ def test_cuda_graph_replays_follow_weight_updates_without_recapture():
         assert _rel_err(pm(x).to_torch(), model(x)) < 1e-5
         assert pm.compiled.weight_cache.runs == 2 + step
     assert metrics.counter("cuda_graphs.recapture").value == recaptures
+
+
+def test_generator_decode_steps_reuse_the_hoisted_weights():
+    from spmd.generation import Generator
+    from spmd.models.llama_lm import llama_lm
+
+    gen = Generator(llama_lm(small=True, seed=1), spmd.Mesh.create(("tp",), devices="cpu:1"), max_batch=2,
+                    max_seq=24, prefill_len=8)
+    gen.generate([[5, 17, 3], [11, 2]], 8)
+    decode = next(iter(gen._programs.values()))[1]
+    (compiled,) = decode._cache.values()
+    assert compiled.weight_cache is not None and compiled.weight_cache.runs == 1  # once for every decode step
+    assert "concatenate" in compiled.lowered.result.prologue_text

@@ -123,9 +123,8 @@ class MultiProcessCommunicator:
         parts = [reduce_stack([x[self.local_index[p]].to(lead) for p in g if p in self.local_index], spec.reduce_op)
                  for g in groups]
         stacked = torch.stack(parts)
-        scatter = self._scatter_layout(spec, procs, groups)
-        if scatter is not None:
-            chunks = self._reduce_scatter(spec, stacked, procs, scatter)
+        if self._one_scatter(spec, procs, groups):
+            chunks = self._reduce_scatter(spec, stacked, procs)
             for g, chunk in zip(groups, chunks, strict=True):
                 p = next(p for p in g if p in self.local_index)
                 out[self.local_index[p]] = chunk.to(x[self.local_index[p]].device)
@@ -147,14 +146,14 @@ class MultiProcessCommunicator:
                 piece = total
             out[k] = piece.to(x[k].device, copy=True, memory_format=torch.contiguous_format)
 
-    def _scatter_layout(self, spec, procs, groups) -> bool | None:
-        """True when a reduce-scatter can be one ``reduce_scatter_tensor``: one member per process, in rank order."""
+    def _one_scatter(self, spec, procs, groups) -> bool:
+        """Whether a reduce-scatter can be one ``reduce_scatter_tensor``: one group, one member per process in rank
+        order, no host hierarchy."""
         if spec.kind != "reduce-scatter" or len(groups) != 1 or not _hosts_flat(self.state.info, procs):
-            return None
-        g = groups[0]
-        return True if [self.proc[p] for p in g] == list(procs) else None
+            return False
+        return [self.proc[p] for p in groups[0]] == list(procs)
 
-    def _reduce_scatter(self, spec, stacked: Tensor, procs, _layout) -> list[Tensor]:
+    def _reduce_scatter(self, spec, stacked: Tensor, procs) -> list[Tensor]:
         total = stacked[0].movedim(spec.dim, 0).contiguous()
         n = len(procs)
         if total.shape[0] % n:
