@@ -28,6 +28,12 @@ class Draw:
 
     def __init__(self) -> None:
         self.choices: list[int] = []
+        self.marks: list[int] = []  # choice indices where a generator unit (an op) starts
+        self.count_at: int | None = None  # choice index of the number of units (see ``mark``)
+
+    def mark(self) -> None:
+        """Note that a unit the shrinker may delete as a whole starts at the next choice."""
+        self.marks.append(len(self.choices))
 
     def _integer(self, lo: int, hi: int) -> int:
         raise NotImplementedError

@@ -78,11 +78,14 @@ def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozense
     if "new_ops" in features:
         table += NEW_OPS
     weighted = [(k, g) for k, g, w in table if k not in exclude_ops for _ in range(w)]
+    d.count_at = len(d.choices)
     n_ops = d.integer(1, max_ops)
     tries = 0
     while len(b.ops) < n_ops and tries < 4 * n_ops:
         tries += 1
+        d.mark()
         b.attempt(*d.choice(weighted))
+    d.mark()
     while not b.ops:
         b.attempt("unary", op_unary)
     outputs = _draw_outputs(b)
