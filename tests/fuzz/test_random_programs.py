@@ -150,7 +150,7 @@ def test_shrink_keeps_the_failure_and_simplifies():
     fails = lambda c: Outcome("wrong", "softmax") if "softmax" in c.ops else Outcome("match")  # noqa: E731
     small, out = shrink(d.choices, lambda dr: generate_case(dr, seed, max_ops=12), fails, "softmax", budget_s=60)
     assert out.signature == "softmax" and "softmax" in small.ops
-    assert len(small.ops) < len(case.ops)
+    assert len(small.ops) <= 2 < len(case.ops)
 
 
 def test_reproducer_is_a_standalone_script(tmp_path):
