@@ -17,7 +17,10 @@ PyTorch eager itself makes in the program's own dtypes sets the bar:
     pass  iff  err(spmd) <= K * est + ATOL[out dtype]
 
 ``eager_f32`` (every float dtype mapped to float32) measures the program's conditioning, which the
-second term carries over to float64 outputs, where eager and the reference coincide. K = 8 allows
+second term carries over to float64 outputs, where eager and the reference coincide. "out dtype"
+is the least precise float dtype the output passed through (its inputs and casts, ``lowest_dtype``):
+a bf16 mean cast to float32 keeps bf16's rounding, and a mean reduced across devices may round
+its bf16 partial sums where eager accumulates in float32 (one ulp of bf16, legitimately). K = 8 allows
 the legitimate differences of a partitioned program (partial sums reduced in another order, a
 reduction split over devices, fused kernels accumulating differently) and still fails the 27x
 eager error of the bf16 partial-sum defect of issue 20; ATOL (about two ulps of the output
@@ -183,13 +186,38 @@ def check_outputs(case: Case, mesh, out: tuple, eager: tuple, e32: tuple, ref: t
                 raise Wrong("values-exact", f"output {i} ({e.dtype}): differs from eager in "
                             f"{int((got != e).sum())} of {e.numel()} elements")
             continue
-        ratios.append(compare_float(i, got, e, e2, r))
+        ratios.append(compare_float(i, got, e, e2, r, floor=lowest_dtype(case, case.outputs[i], e.dtype)))
     return ratios
 
 
-def compare_float(i: int, got, eager, e32, ref) -> float:
-    """Raise Wrong unless ``got`` is within tolerance (module docstring); returns err(spmd) / tolerance."""
-    dt = eager.dtype
+_CASTS = {"F32": torch.float32, "F64": torch.float64, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def lowest_dtype(case: Case, name: str, out_dtype: torch.dtype) -> torch.dtype:
+    """The least precise float dtype among ``out_dtype``, the inputs ``name`` depends on and the casts
+    on its way (its ATOL applies: a bf16 value cast to float32 keeps bf16's rounding)."""
+    need, lowest = {name}, out_dtype
+    inputs = {i.name: i.dtype for i in case.inputs}
+    for line in reversed(case.body):
+        target, _, expr = line.partition(" = ")
+        target = re.match(r"\w+", target).group(0) if re.match(r"\w+", target) else target
+        if target not in need:
+            continue
+        need |= set(re.findall(r"\b[vx]\d+\b", expr))
+        for cast in re.findall(r"\.to\((F32|F64|BF16|F16)\)", expr):
+            lowest = max(lowest, _CASTS[cast], key=lambda dt: EPS[dt])
+    for n in need:
+        if n in inputs and inputs[n] in EPS:
+            lowest = max(lowest, inputs[n], key=lambda dt: EPS[dt])
+    return lowest
+
+
+def compare_float(i: int, got, eager, e32, ref, floor: torch.dtype | None = None) -> float:
+    """Raise Wrong unless ``got`` is within tolerance (module docstring); returns err(spmd) / tolerance.
+
+    ``floor``: the least precise dtype the value passed through (ATOL and the conditioning term use it).
+    """
+    dt = eager.dtype if floor is None or EPS[floor] < EPS[eager.dtype] else floor
     got, eager, e32, ref = got.double(), eager.double(), e32.double(), ref.double()
     fin_ref, fin_eager, fin_got = torch.isfinite(ref), torch.isfinite(eager), torch.isfinite(got)
     agree = fin_ref == fin_eager

@@ -167,3 +167,23 @@ def test_reproducer_is_a_standalone_script(tmp_path):
                          cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "output 0:" in res.stdout
+
+
+def test_tolerance_follows_the_least_precise_dtype_an_output_passed_through():
+    from tests.fuzz.case import Case, InputSpec
+    from tests.fuzz.oracle import lowest_dtype
+
+    bf16, f32, f64 = torch.bfloat16, torch.float32, torch.float64
+    case = Case(inputs=(InputSpec("x0", (4, 12), bf16, 1), InputSpec("x1", (3,), f64, 2)),
+                body=("v0 = x0.mean(dim=(0, 1), keepdim=True)", "v1 = v0.to(F32)", "v2 = x1.to(F32)",
+                      "v3 = (x1 * 2).to(F16).to(F64)"),
+                outputs=("v1", "v2", "v3"), ops=(), mesh_axes=(("tp", 4),))
+    assert lowest_dtype(case, "v1", f32) == bf16  # a bf16 mean cast to float32 keeps bf16's rounding
+    assert lowest_dtype(case, "v2", f32) == f32
+    assert lowest_dtype(case, "v3", f64) == torch.float16
+    # One bf16 ulp at the scale of a float32 output passes with the bf16 floor, not without it.
+    ref = torch.tensor([0.123], dtype=f64)
+    got = torch.tensor([0.123 + 2 ** -11])
+    with pytest.raises(Wrong):
+        compare_float(0, got, ref.float(), ref.float(), ref)
+    assert compare_float(0, got, ref.float(), ref.float(), ref, floor=bf16) <= 1.0
