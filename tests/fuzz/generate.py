@@ -86,8 +86,12 @@ def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozense
         d.mark()
         b.attempt(*d.choice(weighted))
     d.mark()
-    while not b.ops:
-        b.attempt("unary", op_unary)
+    for _ in range(20):  # at least one op (bounded: a draw sequence may reject every unary op)
+        if b.ops or b.attempt("unary", op_unary):
+            break
+    if not b.ops:
+        b.emit(f"{b.inputs[0].name}.sum()")  # a float input's sum: always small and finite
+        b.ops.append("reduce")
     outputs = _draw_outputs(b)
     n_in = len(b.inputs)
     in_specs = tuple(None if d.boolean(0.15) else b.random_spec(i.shape) for i in b.inputs)
