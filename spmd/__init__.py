@@ -11,7 +11,7 @@ device mesh, and run one compiled program on every device::
     y = f(x, w1, w2)          # a ShardedArray; y.to_torch() is the global value
 """
 
-from spmd import distributed, metrics
+from spmd import distributed, metrics, train
 from spmd.array import ShardedArray, device_put
 from spmd.compiled import Compiled
 from spmd.frontend.constraint import with_sharding_constraint
@@ -42,6 +42,7 @@ __all__ = [
     "parallelize",
     "trace",
     "tracing",
+    "train",
     "with_sharding_constraint",
 ]
 __version__ = "0.1.0"

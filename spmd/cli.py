@@ -117,6 +117,10 @@ class Workload:
 CPU_WEIGHT_LIMIT_BYTES = 2 * 2**30
 
 
+# --small head counts (hidden 64) that divide by tp = 2, 4 and 8 (the Llama ones keep grouped KV heads)
+SMALL_HEADS = {"gpt3-layer": {"num_heads": 8}, "llama": {"num_heads": 16, "num_kv_heads": 8}}
+
+
 def _block_model(args):
     from spmd.models.gpt import gpt3_layers
     from spmd.models.llama import llama_layers
@@ -124,9 +128,13 @@ def _block_model(args):
 
     plan = (gpt_plan if args.model == "gpt3-layer" else llama_plan)(args.tp_axis, args.sequence_parallel)
     if args.model == "gpt3-layer":
-        return lambda dev: gpt3_layers(args.layers, small=args.small, dtype=args.torch_dtype, device=dev), plan
+        heads = SMALL_HEADS["gpt3-layer"] if args.small else {}
+        return lambda dev: gpt3_layers(args.layers, small=args.small, dtype=args.torch_dtype, device=dev,
+                                       **heads), plan
     preset = args.model.removesuffix("-layer")
-    return lambda dev: llama_layers(preset, args.layers, small=args.small, dtype=args.torch_dtype, device=dev), plan
+    heads = SMALL_HEADS["llama"] if args.small else {}
+    return lambda dev: llama_layers(preset, args.layers, small=args.small, dtype=args.torch_dtype, device=dev,
+                                    **heads), plan
 
 
 def build_workload(args, mesh, dp_axis: str | None) -> Workload:
@@ -238,6 +246,10 @@ def cmd_run(args, console: Console) -> int:
     axes = parse_mesh(args.mesh)
     if args.tp_axis not in axes:
         raise CliError(f"--mesh: expected a {args.tp_axis!r} axis (tensor parallel), got {args.mesh!r}")
+    unused = [a for a in axes if a not in (args.tp_axis, "dp")]
+    if unused:
+        raise CliError(f"--mesh: axis {unused[0]!r} is not used by spmd run; expected axes dp and/or "
+                       f"{args.tp_axis}, got {args.mesh!r}")
     mesh = make_mesh(axes, args.device)
     dp_axis = "dp" if "dp" in axes else None
     if dp_axis and args.batch % axes["dp"]:
@@ -267,8 +279,12 @@ def cmd_run(args, console: Console) -> int:
 
 def demo_mesh(device: str | None, batch: int = 16, heads: int = 12):
     """The demo's mesh: on GPUs the most of them that tp (dividing ``heads``) x dp (dividing ``batch``) can use,
-    preferring tp; without GPUs 4 virtual CPU devices with tp=4. Returns (mesh, {axis: size})."""
+    preferring tp; without GPUs 4 virtual CPU devices with tp=4. Returns (mesh, {axis: size}).
+    Raises CliError for ``--device cuda`` where PyTorch sees no CUDA GPU."""
     device = device or default_device()
+    if device == "cuda" and not torch.cuda.device_count():
+        raise CliError("--device cuda: no CUDA GPU is present (torch.cuda.device_count() is 0); "
+                       "run spmd demo --device cpu (4 virtual CPU devices), or leave --device out")
     n = (torch.cuda.device_count() * _world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
          if device == "cuda" else 4) or 4
     tp, dp = max(((t, d) for t in range(1, n + 1) for d in range(1, n // t + 1) if heads % t == 0 and batch % d == 0),
@@ -370,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     run.add_argument("--warmup", type=int, default=2, help="warm-up iterations (default 2)")
     run.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else cpu")
-    run.add_argument("--small", action="store_true", help="tiny block shapes (hidden 64) for quick CPU runs")
+    run.add_argument("--small", action="store_true",
+                     help="tiny block shapes (hidden 64; GPT 8 heads, Llama 16 heads and 8 KV heads: "
+                     "runs at tp=2, 4 and 8) for quick CPU runs")
     run.add_argument("--sequence-parallel", action="store_true",
                      help="block models: split norms and residuals on the sequence dim (Megatron-SP)")
     _common(run)

@@ -61,6 +61,10 @@ def cmd_generate(args, console: Console, make_mesh, parse_mesh) -> int:
 
     _check(args)
     axes = parse_mesh(args.mesh)
+    unused = [a for a in axes if a not in ("dp", "tp")]
+    if unused:
+        _error(f"--mesh: axis {unused[0]!r} is not used by spmd generate; expected axes dp and/or tp, "
+               f"got {args.mesh!r}")
     mesh = make_mesh(axes, args.device)
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)

@@ -14,6 +14,7 @@ events and a consumer waits for them on the device, never on the host).
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -36,6 +37,8 @@ _META = operator.attrgetter("_dtype", "_sharding", "_shape", "_deleted_reason")
 _BUFFERS = operator.attrgetter("_buffers")
 _READY = operator.attrgetter("_ready_events")
 _DONATIONS = metrics.counter("donations")
+_DONATION_LOCK = threading.Lock()
+_CLAIMED = "donated to a call still running in another thread"
 _OUTPUT_SHARDINGS = metrics.counter("output_shardings.computed")
 
 
@@ -205,6 +208,28 @@ class Compiled:
 
     def _execute(self, args: Sequence, arrays: Sequence[ShardedArray], start: float) -> list[ShardedArray]:
         """Run on ``arrays`` (checked, laid out as compiled; ``args`` as the caller passed them)."""
+        if not self._donated:
+            return self._execute_claimed(args, arrays, start)
+        self._claim_donated(arrays)
+        try:
+            return self._execute_claimed(args, arrays, start)
+        except BaseException:
+            for i in self._donated:  # nothing was donated: the arrays stay usable
+                if arrays[i]._deleted_reason is _CLAIMED:
+                    arrays[i]._deleted_reason = None
+            raise
+
+    def _claim_donated(self, arrays: Sequence[ShardedArray]) -> None:
+        """Mark the donated arrays as taken, atomically across threads: of two concurrent calls
+        donating one array, the second raises DeletedArrayError instead of sharing its buffers."""
+        with _DONATION_LOCK:
+            for i in self._donated:
+                arrays[i]._check_alive(self.input_specs[i].name)
+            for i in self._donated:
+                arrays[i]._deleted_reason = _CLAIMED
+
+    def _execute_claimed(self, args: Sequence, arrays: Sequence[ShardedArray], start: float) -> list[ShardedArray]:
+        """``_execute`` once the donated arrays are claimed."""
         buffers = list(map(_BUFFERS, arrays))
         events = None
         if any(map(_READY, arrays)):
@@ -288,6 +313,8 @@ class Compiled:
         """Delete the donated arrays (and the caller's original when it was resharded or placed)."""
         reason = f"donated to {self.name}"
         for i in self._donated:
+            if arrays[i]._deleted_reason is _CLAIMED:
+                arrays[i]._deleted_reason = None
             arrays[i].delete(reason=reason)
             original = args[i]
             if isinstance(original, ShardedArray) and original is not arrays[i]:

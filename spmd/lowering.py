@@ -9,6 +9,7 @@ them as fake tensors, so no data is read and no device memory is touched).
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from typing import Any
 
@@ -184,10 +185,11 @@ def lower_function(jitted, args: tuple):
         return tuple(out_leaves)
 
     _keep_user_frames(jitted.fn)
-    for a in jitted.donate_argnums:
-        if a >= len(args):
-            raise ValueError(f"donate_argnums: argument {a} does not exist; the function was called with "
-                             f"{len(args)} arguments")
+    for what, argnums in (("donate_argnums", jitted.donate_argnums), ("weight_argnums", jitted.weight_argnums)):
+        for a in argnums:
+            if a >= len(args):
+                raise ValueError(f"{what}: argument {a} does not exist; the function was called with "
+                                 f"{len(args)} arguments")
     # Example inputs on the CPU: export traces them as fake tensors (no data is read), and
     # tensors the function captures or creates on the CPU meet inputs on the same device.
     examples = [torch.empty(leaf.shape, dtype=leaf.dtype) for leaf in in_leaves]
@@ -231,6 +233,9 @@ def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
     from spmd.frontend.torch_export import UnsupportedOpError
 
     token = TRACING_MESH.set(jitted.mesh)
+    quiet = [(log, log.level) for log in map(logging.getLogger, _TRACE_LOGGERS)]
+    for log, _ in quiet:  # their tracebacks and graph dumps repeat the error raised below
+        log.setLevel(logging.CRITICAL)
     try:
         return import_program(flat_fn, tuple(examples), name=_module_name(jitted.__name__))
     except (UnsupportedOpError, ValueError, TypeError):
@@ -238,9 +243,16 @@ def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
     except RuntimeError as e:
         shapes = ", ".join(f"args{paths[i]}: {tuple(x.shape)}" for i, x in zip(tensor_idx, examples))
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{jitted.__name__}: tracing failed for argument shapes {shapes}: {first}") from e
+        raise ValueError(f"{jitted.__name__}: tracing failed: {first} (argument shapes {shapes})") from e
     finally:
         TRACING_MESH.reset(token)
+        for log, level in quiet:
+            log.setLevel(level)
+
+
+# PyTorch loggers that print an error's traceback (fake-tensor meta failures) or the partial graph
+# (data-dependent guards) while tracing; the error itself reaches the user as an exception.
+_TRACE_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")
 
 
 def _name_parameters(module: Module, fn, paths: list[str]) -> None:

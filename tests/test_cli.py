@@ -51,6 +51,7 @@ def test_help_is_short(capsys):
     (("run", "--model", "bert", "--mesh", "tp=2"), "invalid choice: 'bert'"),
     (("run", "--model", "gpt3-layer", "--mesh", "tp2", "--device", "cpu"), "--mesh: expected axis=size"),
     (("run", "--model", "gpt3-layer", "--mesh", "tp=5", "--device", "cpu"), "96 heads"),
+    (("run", "--model", "gpt3-layer", "--mesh", "tp=2,pp=2", "--device", "cpu"), "axis 'pp' is not used by spmd run"),
     (("run", "--model", "llama3-70b-layer", "--mesh", "tp=16", "--device", "cpu"), "k_proj: 8 heads"),
     (("run", "--model", "minilm", "--mesh", "tp=8", "--device", "cpu"), "12 heads"),
     (("run", "--model", "gpt3-layer", "--mesh", "dp=2", "--device", "cpu"), "expected a 'tp' axis"),
@@ -104,6 +105,21 @@ def test_run_small_llama_on_dp_tp_mesh():
              "--seq", "8", "--batch", "2", "--iters", "1", "--warmup", "0")
     assert r.returncode == 0, r.stderr
     assert "median ms" in r.stdout
+
+
+@pytest.mark.parametrize("model", ["llama2-7b-layer", "llama3-70b-layer", "gpt3-layer"])
+@pytest.mark.parametrize("tp", [4, 8])
+def test_small_presets_run_at_the_readmes_tp_sizes(capsys, model, tp):
+    code, out, err = in_process(capsys, "run", "--model", model, "--small", "--mesh", f"tp={tp}", "--device", "cpu",
+                                "--seq", "8", "--batch", "1", "--iters", "1", "--warmup", "0")
+    assert code == 0, err
+    assert "median ms" in out
+
+
+def test_demo_on_cuda_without_gpus_says_so(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    code, out, err = in_process(capsys, "demo", "--device", "cuda")
+    assert code != 0 and "--device cuda: no CUDA GPU is present" in err and "--mesh" not in err
 
 
 def test_demo_on_virtual_cpu_devices():

@@ -22,6 +22,7 @@ def test_generate_small_on_tp2_prints_the_report(capsys):
     (["--temperature", "0"], "temperature"),
     (["--temperature", "1", "--top-p", "1.5"], "top_p"),
     (["--mesh", "tp=3"], "not divisible"),
+    (["--mesh", "tp=1,pp=2"], "--mesh: axis 'pp' is not used by spmd generate"),
 ])
 def test_bad_flags_are_one_line_errors(capsys, args, expected):
     assert main(["generate", "--small", "--device", "cpu", "--mesh", "tp=1", *args]) == 2

@@ -248,3 +248,55 @@ def test_a_non_contiguous_donated_shard_is_not_written():
     out = f(xa)
     torch.testing.assert_close(out.to_torch(), x + 1)
     assert xa.is_deleted
+
+
+def test_one_array_donated_by_two_threads_at_once_runs_once(donating):
+    # Two concurrent calls donating one array: the second must raise, not run on the buffers the
+    # first is overwriting (both calls used to return one shared, wrong buffer).
+    import threading
+
+    compiled = donating.lower(_put(torch.randn(8, 6), P("tp")), _put(torch.randn(8, 6), P("tp"))).compile()
+    compiled.execute_sharded([_put(torch.randn(8, 6), P("tp")), _put(torch.randn(8, 6), P("tp"))])  # binds _run
+    entered, release, real = threading.Event(), threading.Event(), compiled._run
+
+    def held_run(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    compiled._run = held_run
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    xa, ya = _put(x, P("tp")), _put(y, P("tp"))
+    first = []
+    worker = threading.Thread(target=lambda: first.append(compiled.execute_sharded([xa, ya])[0]))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(DeletedArrayError, match="args\\[0\\].*another thread"):
+            compiled.execute_sharded([xa, ya])
+    finally:
+        release.set()
+        worker.join(60)
+        compiled._run = real
+    torch.testing.assert_close(first[0].to_torch(), _update(x, y))
+    with pytest.raises(DeletedArrayError, match="donated to _update"):
+        xa.to_torch()
+
+
+def test_a_failed_donating_call_leaves_the_array_usable(donating):
+    compiled = donating.lower(_put(torch.randn(8, 6), P("tp")), _put(torch.randn(8, 6), P("tp"))).compile()
+    compiled.execute_sharded([_put(torch.randn(8, 6), P("tp")), _put(torch.randn(8, 6), P("tp"))])  # binds _run
+    real = compiled._run
+
+    def failing_run(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    compiled._run = failing_run
+    x = torch.randn(8, 6)
+    xa = _put(x, P("tp"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            compiled.execute_sharded([xa, _put(torch.randn(8, 6), P("tp"))])
+    finally:
+        compiled._run = real
+    torch.testing.assert_close(xa.to_torch(), x)

@@ -1,5 +1,6 @@
 """``spmd.lowering``: the process-wide compile-cache key."""
 
+import pytest
 import torch
 
 import spmd
@@ -30,3 +31,20 @@ def test_resharded_argument_on_a_size_one_axis_is_accepted():
     assert a.sharding == NamedSharding(mesh, P("tp"))
     f = spmd.jit(_ident, mesh=mesh, in_shardings=P("tp"), out_shardings=P())
     torch.testing.assert_close(f(a).to_torch(), x * 2)
+
+
+@pytest.mark.parametrize("name", ["donate_argnums", "weight_argnums"])
+def test_argnums_past_the_arguments_are_a_value_error(name):
+    mesh = spmd.Mesh.create({"tp": 2}, devices="cpu:2")
+    f = spmd.jit(_ident, mesh=mesh, in_shardings=(P(),), out_shardings=P(), **{name: (3,)})
+    with pytest.raises(ValueError, match=rf"{name}: argument 3 does not exist; the function was called with 1 "):
+        f(torch.randn(4, 6))
+
+
+def test_a_shape_error_names_the_cause_first_and_prints_no_traceback(capfd):
+    mesh = spmd.Mesh.create({"tp": 2}, devices="cpu:2")
+    f = spmd.jit(lambda a, b: a @ b, mesh=mesh, in_shardings=(P(), P()), out_shardings=P())
+    with pytest.raises(ValueError, match=r"tracing failed: a and b must have same reduction dim.*\(argument shapes "
+                                         r"args\[0\]: \(4, 4\), args\[1\]: \(5, 4\)\)"):
+        f(torch.randn(4, 4), torch.randn(5, 4))
+    assert "Traceback" not in capfd.readouterr().err

@@ -75,3 +75,12 @@ def test_exponential_race_samples_the_softmax_distribution(devices, spec):
     probs = torch.softmax(logits[0], -1)
     se = (probs * (1 - probs) / rows).sqrt()
     assert ((freq - probs).abs() < 5 * se + 1e-3).all(), (freq, probs)
+
+
+def test_scalar_and_empty_random_values():
+    mesh = Mesh.create(("t",), devices="cpu:2")
+    f = spmd.jit(lambda x: (torch.rand(()) + x.sum(), torch.randn(0, 3), torch.rand_like(x)), mesh=mesh,
+                 in_shardings=P("t"))
+    x = torch.randn(3, 2)
+    s, e, r = (o.to_torch() for o in f(x))
+    assert s.shape == () and e.shape == (0, 3) and r.shape == (3, 2) and 0 <= (s - x.sum()).item() < 1

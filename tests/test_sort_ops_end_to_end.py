@@ -112,3 +112,10 @@ def test_nan_rows_do_not_rely_on_collectives_propagating_nan(monkeypatch):
     got = evaluate_sharded(SpmdPartition().run(module), [x], [(3,)] * 6)
     for g, w in zip(got, f(x), strict=True):
         torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh_name,k", [("cpu4", 0), ("cpu4", 1), ("2d", 3)])
+def test_integer_and_bool_arg_reductions_sharded(mesh_name, k):
+    n = torch.randint(-3, 4, (5, 7), dtype=torch.int32)  # many ties
+    _compare(lambda t: (t.argmax(1), t.argmin(0), *t.max(dim=1), *(t > 0).max(dim=0), *(t > 0).min(dim=1)),
+             MESHES[mesh_name](), SPECS[mesh_name][k], n)

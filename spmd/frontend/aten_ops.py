@@ -239,19 +239,44 @@ def _keep(em: Emitter, r: Instruction, val) -> Instruction:
     return em.reshape(r, out_dims(val))
 
 
+def _kept(em: Emitter, r: Instruction, x: Instruction, dims: tuple[int, ...], keepdim: bool) -> Instruction:
+    """``r`` (``x`` reduced over ``dims``, those dims removed) with size-1 dims back when ``keepdim``.
+
+    The result shape comes from the arguments, not from the traced value: torch 2.11's meta
+    function of ``linalg_vector_norm`` kept a size-1 reduced dim given as a negative index.
+    """
+    if not keepdim:
+        return r
+    return em.reshape(r, tuple(1 if i in dims else d for i, d in enumerate(x.shape.dims)))
+
+
+_HALF_TYPES = frozenset({"bf16", "f16"})
+
+
+def _opmath(em: Emitter, x: Instruction) -> Instruction:
+    """``x`` in float32 when it is a 16-bit float: PyTorch's CPU and CUDA kernels of softmax-like
+    ops, mean, var and norms compute in float32 ("opmath") and round once to the result type."""
+    return em.convert(x, "f32") if x.shape.dtype in _HALF_TYPES else x
+
+
 @register(aten.sum.dim_IntList, aten.sum.default)
 def _sum(em: Emitter, a: dict, val) -> Instruction:
+    """Sum over dims; a 16-bit float sum accumulates in float32 and rounds once, as PyTorch's does
+    (so a sum over a sharded dim all-reduces float32 partial sums, rounded once after)."""
     x = em.convert(a["self"], out_dtype(val))
-    return _keep(em, em.reduce(x, norm_dims(a.get("dim"), x.shape.rank), "add"), val)
+    dims = norm_dims(a.get("dim"), x.shape.rank)
+    r = em.convert(em.reduce(_opmath(em, x), dims, "add"), x.shape.dtype)
+    return _kept(em, r, x, dims, bool(a.get("keepdim", False)))
 
 
 @register(aten.mean.dim, aten.mean.default)
 def _mean(em: Emitter, a: dict, val) -> Instruction:
     x = em.convert(a["self"], out_dtype(val))
     dims = norm_dims(a.get("dim"), x.shape.rank)
-    s = em.reduce(x, dims, "add")
+    s = em.reduce(_opmath(em, x), dims, "add")
     count = math.prod(x.shape.dims[d] for d in dims)
-    return _keep(em, em.binary("divide", s, em.scalar(count, s.shape.dtype, s.shape.dims)), val)
+    r = em.binary("divide", s, em.scalar(count, s.shape.dtype, s.shape.dims))
+    return _kept(em, em.convert(r, x.shape.dtype), x, dims, bool(a.get("keepdim", False)))
 
 
 def _minmax(kind: str, with_indices: bool):
@@ -272,7 +297,8 @@ register(aten.amin.default, aten.min.default)(_minmax("minimum", False))
 @register(aten.linalg_vector_norm.default)
 def _vector_norm(em: Emitter, a: dict, val) -> Instruction:
     """p-norm over dims for ord 2, 1 and +inf (F.normalize, gradient clipping)."""
-    x = em.convert(a["self"], out_dtype(val))
+    out = em.convert(a["self"], out_dtype(val))
+    x = _opmath(em, out)
     dims = norm_dims(a.get("dim"), x.shape.rank)
     order = a["ord"]
     if order == 2:
@@ -283,12 +309,13 @@ def _vector_norm(em: Emitter, a: dict, val) -> Instruction:
         r = em.reduce(em.unary("abs", x), dims, "maximum")
     else:
         raise NotImplementedError(f"vector norm of order {order}")
-    return _keep(em, r, val)
+    return _kept(em, em.convert(r, out.shape.dtype), x, dims, bool(a.get("keepdim", False)))
 
 
 def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int, ...]]:
-    """Biased-or-corrected variance and mean over dims, both with reduced dims removed."""
-    x = a["self"]
+    """Biased-or-corrected variance and mean over dims, both with reduced dims removed (in float32
+    for a 16-bit float input, see ``_opmath``; the callers round to the input type)."""
+    x = _opmath(em, a["self"])
     dims = norm_dims(a.get("dim"), x.shape.rank)
     count = math.prod(x.shape.dims[d] for d in dims)
     correction = a.get("correction")
@@ -306,12 +333,13 @@ def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int
 @register(aten.var_mean.correction, aten.var_mean.dim)
 def _var_mean_op(em: Emitter, a: dict, val) -> tuple:
     var, mean, _ = _var_mean(em, a)
-    return em.reshape(var, out_dims(val[0])), em.reshape(mean, out_dims(val[1]))
+    t = a["self"].shape.dtype
+    return em.reshape(em.convert(var, t), out_dims(val[0])), em.reshape(em.convert(mean, t), out_dims(val[1]))
 
 
 @register(aten.var.correction, aten.var.dim)
 def _var(em: Emitter, a: dict, val) -> Instruction:
-    return em.reshape(_var_mean(em, a)[0], out_dims(val))
+    return em.reshape(em.convert(_var_mean(em, a)[0], a["self"].shape.dtype), out_dims(val))
 
 
 # --------------------------------------------------------------------------- matmuls
@@ -389,13 +417,33 @@ def _softmax(em: Emitter, a: dict, val) -> Instruction:
 
 @register(aten.log_softmax.int, aten._log_softmax.default)
 def _log_softmax(em: Emitter, a: dict, val) -> Instruction:
-    """x - max - log(sum(exp(x - max))) along dim."""
-    x = em.convert(a["self"], out_dtype(val))
+    """x - max - log(sum(exp(x - max))) along dim, in that order, as PyTorch's kernels compute it.
+
+    16-bit floats are computed in float32 and rounded once; PyTorch's CPU kernel for the last
+    dim (``serial_vec_log_softmax_lastdim_range`` in ATen's ``LogSoftmaxKernelImpl.h``) also
+    rounds the sum and its log to the 16-bit type, so on a CPU mesh that dim does too.
+    """
+    out = em.convert(a["self"], out_dtype(val))
+    x = _opmath(em, out)
     d = norm_dim(a["dim"], x.shape.rank)
     keep = tuple(i for i in range(x.shape.rank) if i != d)
     shifted = em.binary("subtract", x, em.broadcast(em.reduce(x, (d,), "maximum"), x.shape.dims, keep))
-    lse = em.unary("log", em.reduce(em.unary("exponential", shifted), (d,), "add"))
-    return em.binary("subtract", shifted, em.broadcast(lse, x.shape.dims, keep))
+    total = em.reduce(em.unary("exponential", shifted), (d,), "add")
+    rounded = x is not out and d == x.shape.rank - 1 and _tracing_platform() == "cpu"
+    if rounded:
+        total = em.convert(em.convert(total, out.shape.dtype), x.shape.dtype)
+    lse = em.unary("log", total)
+    if rounded:
+        lse = em.convert(em.convert(lse, out.shape.dtype), x.shape.dtype)
+    return em.convert(em.binary("subtract", shifted, em.broadcast(lse, x.shape.dims, keep)), out.shape.dtype)
+
+
+def _tracing_platform() -> str | None:
+    """The platform (``"cpu"`` / ``"cuda"``) of the mesh being traced for, or None outside ``spmd.jit``."""
+    from spmd.frontend.constraint import TRACING_MESH
+
+    mesh = TRACING_MESH.get(None)
+    return getattr(mesh, "platform", None)
 
 
 def _layer_norm_call(em: Emitter, a: dict) -> Instruction:

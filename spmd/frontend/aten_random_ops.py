@@ -1,5 +1,5 @@
-"""ATen -> HLO-lite converters for random ops: rand/randn(_like), uniform_, normal(_), exponential_,
-bernoulli, and dropout (also feature dropout) in training mode.
+"""ATen -> HLO-lite converters for random ops: rand/randn/randint(_like), uniform_, normal(_),
+exponential_, bernoulli, and dropout (also feature dropout) in training mode.
 
 Every random value is ``random(index, key0, key1)`` (``spmd.ir.random``): a pure function of the
 program's random key and the element's global row-major index, computed from iotas, so the
@@ -89,6 +89,23 @@ def _draw(distribution: str):
 
 register(aten.rand.default, aten.rand_like.default, aten.rand.generator)(_draw("uniform"))
 register(aten.randn.default, aten.randn_like.default, aten.randn.generator)(_draw("normal"))
+
+
+@register(aten.randint.default, aten.randint.low, aten.randint_like.default, aten.randint_like.low_dtype)
+def _randint(em: Emitter, a: dict, val) -> Instruction:
+    """Integers uniform in ``[low, high)``: ``low + floor(u * (high - low))``, u uniform float64.
+
+    The bias is below ``(high - low) / 2**53`` per value. The result has the dtype torch chose
+    (int64 by default, floating for a floating ``randint_like``).
+    """
+    _no_generator(a)
+    low, high = int(a.get("low") or 0), int(a["high"])
+    if high <= low:
+        raise ValueError(f"randint: expected low < high, got low={low}, high={high}")
+    dims, dtype = out_dims(val), out_dtype(val)
+    u = random_values(em, dims, "f64", "uniform")
+    r = em.unary("floor", _affine(em, u, float(high - low), 0.0))
+    return em.convert(_affine(em, r, 1.0, float(low)), dtype)
 
 
 def _affine(em: Emitter, x: Instruction, scale: float, shift: float) -> Instruction:

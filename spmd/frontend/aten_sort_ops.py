@@ -165,6 +165,19 @@ register(aten.cumsum.default)(_scan("cumsum"))
 register(aten.cumprod.default)(_scan("cumprod"))
 
 
+def _cumextreme(target: str):
+    def convert(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
+        x = _scalar_input(em, a["self"])
+        config = {"dim": norm_dim(a["dim"], x.shape.rank)}
+        values, idx = _pair(em, target, x, config, x.shape.dims)
+        return em.reshape(values, out_dims(val[0])), em.reshape(idx, out_dims(val[1]))
+    return convert
+
+
+register(aten.cummax.default)(_cumextreme("cummax"))
+register(aten.cummin.default)(_cumextreme("cummin"))
+
+
 # --------------------------------------------------------------------------- floor division, xor
 def floor_divide_int(em: Emitter, x: Instruction, y: Instruction) -> Instruction:
     """Integer ``x // y`` rounding toward minus infinity (same dtype and dims as x and y)."""

@@ -99,13 +99,14 @@ def index_result_dims(x_dims: tuple[int, ...], indices: list[Instruction | None]
     return batch + tuple(rest)
 
 
-def _mask_put(em: Emitter, x: Instruction, mask: Instruction, values: Instruction, accumulate: bool) -> Instruction:
-    """``x[mask] = v`` / ``x[mask] += v`` for a boolean mask over x's leading dims and one value."""
+def _mask_put(em: Emitter, x: Instruction, first: int, mask: Instruction, values: Instruction,
+              accumulate: bool) -> Instruction:
+    """``x[..., mask] = v`` / ``+= v`` for a boolean mask over x's dims ``first, first+1, ...`` and one value."""
     if values.shape.numel != 1:
         raise NotImplementedError("index_put with a boolean mask and more than one value "
                                   "(the number of selected elements is data-dependent)")
     dims = x.shape.dims
-    m = em.broadcast(mask, dims, tuple(range(mask.shape.rank)))
+    m = em.broadcast(mask, dims, tuple(range(first, first + mask.shape.rank)))
     v = em.broadcast_to(em.reshape(em.convert(values, x.shape.dtype), ()), dims)
     if accumulate:
         return em.binary("add", x, em.select(m, v, em.scalar(0, x.shape.dtype, dims)))
@@ -122,9 +123,9 @@ def _index_put(em: Emitter, a: dict, val) -> Instruction:
         v = em.broadcast_to(em.convert(values, x.shape.dtype), x.shape.dims)
         return em.binary("add", x, v) if accumulate else v
     if any(indices[i].shape.dtype == "pred" for i in used):
-        if len(used) != 1 or used[0] != 0:
+        if len(used) != 1:
             raise NotImplementedError("index_put with a boolean mask combined with other indices")
-        return _mask_put(em, x, indices[0], values, accumulate)
+        return _mask_put(em, x, used[0], indices[used[0]], values, accumulate)
     res = index_result_dims(x.shape.dims, indices)
     values = em.broadcast_to(em.convert(values, x.shape.dtype), res)
     if not accumulate and all(indices[i].shape.numel == 1 for i in used):

@@ -16,7 +16,7 @@ import torch
 from spmd.ir.hlo import Computation, Instruction, Shape, SourceLocation, hlo_dtype
 from spmd.ir.sharding import TensorSharding
 
-_REDUCE_IDENTITY = {"add": 0, "maximum": -math.inf, "minimum": math.inf, "and": True, "or": False}
+_REDUCE_IDENTITY = {"add": 0, "multiply": 1, "maximum": -math.inf, "minimum": math.inf, "and": True, "or": False}
 
 
 class Emitter:
@@ -162,7 +162,7 @@ class Emitter:
         return self._reducers[key]
 
     def reduce(self, x: Instruction, dims: Sequence[int], kind: str) -> Instruction:
-        """Reduce ``x`` over ``dims`` with ``kind`` (add/maximum/minimum/and/or) from its identity."""
+        """Reduce ``x`` over ``dims`` with ``kind`` (add/multiply/maximum/minimum/and/or) from its identity."""
         dims = tuple(sorted(set(dims)))
         if not dims:
             return x

@@ -72,14 +72,19 @@ class NeedsJoint(Exception):
 
 
 class GradDetector(TorchFunctionMode):
-    """Raises ``NeedsJoint`` (and sets ``seen``) at the first gradient request of the traced program."""
+    """Raises ``NeedsJoint`` (and sets ``seen``) at the first gradient request of the traced program.
 
-    def __init__(self) -> None:
+    ``count_setter=False`` ignores ``tensor.requires_grad = True`` (export sets it on a module's
+    fake parameters itself).
+    """
+
+    def __init__(self, count_setter: bool = True) -> None:
         super().__init__()
         self.seen = False
+        self.funcs = _GRAD_FUNCS if count_setter else _GRAD_FUNCS - {torch.Tensor.requires_grad.__set__}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _GRAD_FUNCS and _asks_for_grad(func, args, kwargs or {}):
+        if func in self.funcs and _asks_for_grad(func, args, kwargs or {}):
             _check_differentiable(args[0] if args else None)
             self.seen = True
             raise NeedsJoint(getattr(func, "__name__", str(func)))
@@ -140,7 +145,9 @@ def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:
 
     ``flat_fn`` takes tensors positionally and returns a tuple of tensors.
     """
-    with fx_traceback.preserve_node_meta(), _JointMode():
+    # The program's gradients do not depend on the caller's grad mode (a jitted step called under
+    # torch.no_grad() still trains); grad-mode changes inside flat_fn are traced as written.
+    with fx_traceback.preserve_node_meta(), _JointMode(), torch.enable_grad():
         graph = _make_fx(flat_fn)(*examples)
 
     def replay(*xs):

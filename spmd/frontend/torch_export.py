@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import traceback
 import types
 import warnings
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 import spmd.frontend.aten_conv_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_more_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_random_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
@@ -124,7 +126,10 @@ def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
     try:
         ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
     except GuardOnDataDependentSymNode as e:
-        raise ValueError(f"{data_dependent_hint()}: {str(e).strip().splitlines()[0]}") from e
+        frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
+        frames = [f for f in frames + _FRAME.findall(str(e)) if not f[0].startswith(_LIBRARY_DIRS)]
+        at = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
+        raise ValueError(f"{data_dependent_hint()}{at}: {str(e).strip().splitlines()[0]}") from e
     if any(n.op == "call_function" and n.target not in ATEN_OPS for n in ep.graph.nodes):
         table = torch.export.default_decompositions()
         for op in ATEN_OPS:
@@ -152,7 +157,20 @@ def import_program(fn_or_module, args, kwargs: dict | None = None, name: str | N
         name = getattr(fn_or_module, "__name__", type(fn_or_module).__name__)
     name = re.sub(r"\W", "_", name)
     if isinstance(fn_or_module, torch.nn.Module) or kwargs:
-        return _convert(export_program(fn_or_module, tuple(args), kwargs), name)
+        # export itself sets requires_grad on a module's fake parameters: only explicit requests count
+        det = GradDetector(count_setter=False)
+        try:
+            with det:
+                ep = export_program(fn_or_module, tuple(args), kwargs)
+        except Exception:
+            if not det.seen:
+                raise
+        if det.seen:
+            raise UnsupportedOpError(
+                f"{name}: gradients taken inside an nn.Module's forward (or with keyword arguments) cannot be "
+                "traced; take them in a function of positional tensors, e.g. torch.func.grad_and_value over "
+                "torch.func.functional_call(module, params, inputs)")
+        return _convert(ep, name)
     det = GradDetector()
     user_fn = _traceable(fn_or_module)  # keeps the user's frames in node stack traces
 
@@ -238,9 +256,16 @@ def _lookup(env: dict, loc: SourceLocation):
     return get
 
 
+#: ATen ops that read a tensor's value into a Python number (``.item()``, ``int(t)``).
+_HOST_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default})
+
+
 def _convert_node(em: Emitter, node: torch.fx.Node, env: dict) -> Any:
     loc = location_of(node)
     conv = ATEN_OPS.get(node.target)
+    if conv is None and node.target in _HOST_READS:
+        raise ValueError(f"{data_dependent_hint()}; `.item()` (or a Python int/float/bool of a tensor) at "
+                         f"{_where(loc)} reads a value a compiled program cannot return to Python while tracing")
     if conv is None:
         raise UnsupportedOpError(f"unsupported operation {loc.op_name} at {_where(loc)}: "
                                  "no conversion to HLO-lite")

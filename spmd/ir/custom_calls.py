@@ -31,6 +31,8 @@ Sharding-rule kinds (``CustomCallSpec.rule``):
   mask (broadcastable to ``[..., Sq, Sk]``); the leading (batch, head) dims may be sharded and
   must agree across operands; the last two dims (sequence, head dim) must be unsharded.
 - ``"convolution"``: ``conv1d`` (``spmd.ir.custom_calls_conv``).
+- ``"scan"``: cumsum / cumprod; any dim may be sharded, the scanned one through a parallel
+  prefix (``spmd.passes.partition_scan``).
 - ``"sharding-constraint"``: identity; the partitioner reshards its operand to
   ``Instruction.sharding`` and drops the instruction.
 """
@@ -46,7 +48,8 @@ import torch.nn.functional as F
 
 Config = dict[str, Any]
 
-RULE_KINDS = frozenset({"elementwise", "reduction-last-dims", "attention", "sharding-constraint", "convolution"})
+RULE_KINDS = frozenset({"elementwise", "reduction-last-dims", "attention", "sharding-constraint", "convolution",
+                        "scan"})
 
 
 @dataclass(frozen=True)

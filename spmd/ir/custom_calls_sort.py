@@ -1,4 +1,4 @@
-"""Custom-call targets for ops along one dim: sort, topk, cumsum, cumprod.
+"""Custom-call targets for ops along one dim: sort, topk, cumsum, cumprod, cummax, cummin.
 
 Each target runs PyTorch's own kernel on the local array, so its results (including the order
 of ties, which ``torch.sort(stable=False)`` and ``torch.topk`` leave to the implementation)
@@ -13,12 +13,17 @@ sort       x         dim, descending (False), stable (False), output (values | i
 topk       x         dim, k, largest (True), sorted (True), output (values | indices)
 cumsum     x         dim (result dtype = x's dtype: the frontend converts x first)
 cumprod    x         dim (same)
+cummax     x         dim, output ("values" | "indices"): torch.cummax (NaN and ties as PyTorch)
+cummin     x         dim, output (same)
 =========  ========  ==================================================================
 
-Sharding rule: ``"reduction-last-dims"`` with ``dim`` as the one dim that must be unsharded
-(XLA's SPMD partitioner does the same for sort: the sorted dim is all-gathered, the other dims
-pass their shardings through). The result of ``topk`` has ``k`` rows along ``dim`` instead of
-the operand's ``n``; the rule reads shardings only, and that dim is unsharded on both sides.
+Sharding rules: sort and topk are ``"reduction-last-dims"`` with ``dim`` as the one dim that must
+be unsharded (XLA's SPMD partitioner does the same for sort: the sorted dim is all-gathered, the
+other dims pass their shardings through), and so are cummax and cummin; cumsum and cumprod
+are ``"scan"``: every dim keeps its sharding, a sharded scanned dim through a parallel prefix
+(``spmd.passes.partition_scan``).
+The result of ``topk`` has ``k`` rows along ``dim`` instead of the operand's ``n``; the rule
+reads shardings only, and that dim is unsharded on both sides.
 Indices are s64, global along ``dim`` (the dim is whole on every device).
 """
 
@@ -74,10 +79,25 @@ def _cumprod(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
     return torch.cumprod(x, dim=_dim(config, x.dim()), dtype=x.dtype)
 
 
+def _cumextreme(fn):
+    def kernel(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
+        x = operands[0]
+        if x.dim() == 0:
+            return _pick((x, torch.zeros((), dtype=torch.int64, device=x.device)), config)
+        out = fn(x, dim=_dim(config, x.dim()))
+        return _pick((out.values, out.indices), config)
+    kernel.__doc__ = f"``torch.{fn.__name__}`` of x along ``dim``: running values (x's dtype) or int64 indices."
+    return kernel
+
+
 #: (target, kernel, sharding-rule kind, unsharded dims, doc): ``spmd.ir.custom_calls`` builds the specs.
 SORT_CALLS = (
     ("sort", _sort, "reduction-last-dims", _along_dim, "sort along config['dim'] (values or indices)"),
     ("topk", _topk, "reduction-last-dims", _along_dim, "k largest/smallest along config['dim']"),
-    ("cumsum", _cumsum, "reduction-last-dims", _along_dim, "inclusive prefix sum along config['dim']"),
-    ("cumprod", _cumprod, "reduction-last-dims", _along_dim, "inclusive prefix product along config['dim']"),
+    ("cumsum", _cumsum, "scan", None, "inclusive prefix sum along config['dim']"),
+    ("cumprod", _cumprod, "scan", None, "inclusive prefix product along config['dim']"),
+    ("cummax", _cumextreme(torch.cummax), "reduction-last-dims", _along_dim,
+     "running maximum along config['dim'] (values or indices; the dim is gathered)"),
+    ("cummin", _cumextreme(torch.cummin), "reduction-last-dims", _along_dim,
+     "running minimum along config['dim'] (values or indices; the dim is gathered)"),
 )

@@ -141,6 +141,7 @@ class SourceLocation:
 UNARY_OPCODES = frozenset({
     "abs", "negate", "exponential", "log", "sqrt", "rsqrt", "tanh", "logistic",
     "erf", "sine", "cosine", "floor", "ceil", "sign", "not", "convert", "copy",
+    "log-plus-one", "exponential-minus-one",
 })
 BINARY_OPCODES = frozenset({
     "add", "subtract", "multiply", "divide", "maximum", "minimum", "power",
@@ -174,7 +175,7 @@ OPCODES: dict[str, str] = {
     "concatenate": "concatenate operands along dimensions[0]",
     "pad": "pad(operand, value) with padding=((lo, hi, interior), ...)",
     "dot": "batch dims, then lhs free dims, then rhs free dims (XLA DotGeneral)",
-    "reduce": "reduce(operand, init) over dimensions with to_apply (add/maximum/minimum)",
+    "reduce": "reduce(operand, init) over dimensions with to_apply (add/multiply/maximum/minimum/and/or)",
     "gather": "XLA gather with batching dims; kernels: rows and along forms (spmd.ir.index_shapes)",
     "scatter": "scatter(operand, indices, updates), XLA scatter combining with to_apply (spmd.ir.index_shapes)",
     "dynamic-slice": "dynamic-slice(operand, start0, start1, ...) with dynamic_slice_sizes",

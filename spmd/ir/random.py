@@ -1,4 +1,4 @@
-"""Counter-based random numbers: Threefry-2x32-20 of (key, global element index).
+"""Counter-based random numbers: SplitMix64 of a per-op seed and the global element index.
 
 Why not PyTorch eager's stream: eager draws from a stateful generator (mt19937 on the CPU,
 Philox with a host-side offset on CUDA) in the order the elements are laid out in one tensor
@@ -15,19 +15,21 @@ of a key and the element's *global* linear index, so that:
   PyTorch's default CPU generator at every call (``draw_key``), so successive calls give new
   numbers and reseeding repeats them.
 
-The generator is Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror, Shaw, "Parallel random
-numbers: as easy as 1, 2, 3", SC 2011; the same function as JAX's ``threefry_2x32``), computed
-with int64 torch ops on values held in ``[0, 2**32)`` so that it runs on any device.
+Generator: each random op (stream number ``s``) and draw ``w`` (0, or 1 for the normal
+distribution's second uniform) gets a 64-bit seed ``threefry2x32(key, (s, w))`` (Threefry-2x32
+with 20 rounds: Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3",
+SC 2011; JAX's ``threefry_2x32``), computed once per call on a scalar. Element ``g`` (global
+row-major index) then gets the 64 bits ``splitmix64(seed, g)``: output ``g + 1`` of the SplitMix64
+sequence (Steele, Lea, Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014;
+the generator of Java's ``SplittableRandom``), ``mix64(seed + (g + 1) * gamma)``. SplitMix64 is
+itself counter-based (element ``g`` needs no other element) and passes BigCrush; it costs about
+ten int64 torch ops per element, against ~170 for Threefry, which is why Threefry is used only to
+derive the per-op seeds. All arithmetic is int64 with wrap-around, so it runs on any device.
 
-Layout of one draw: element ``g`` (global row-major index, ``g < 2**62``) of the op with stream
-number ``s`` uses key ``k_s = threefry(key, (s, 0))`` and counter ``(g mod 2**32, g >> 32)``;
-a second 64-bit word (the normal distribution's second uniform) uses counter
-``(g mod 2**32, (g >> 32) | 2**31)``.
-
-Distributions (from the 64 random bits ``(w0, w1)``, ``w0`` the high word): uniform in ``[0, 1)`` with as
-many random bits as the dtype's significand (53 for f64, 24 f32, 11 f16, 8 bf16), so the value is
-exact in the dtype and never 1; normal by Box-Muller in float64, ``sqrt(-2 log(1 - u1)) *
-cos(2 pi u2)``; exponential ``-log1p(-u)`` (rate 1; the frontend divides by the rate).
+Distributions (from the 64 bits): uniform in ``[0, 1)`` with as many random bits as the dtype's
+significand (53 for f64, 24 f32, 11 f16, 8 bf16), so the value is exact in the dtype and never
+1; normal by Box-Muller in float64, ``sqrt(-2 log(1 - u1)) * cos(2 pi u2)``; exponential
+``-log1p(-u)`` (rate 1; the frontend divides by the rate).
 """
 
 from __future__ import annotations
@@ -75,27 +77,51 @@ def draw_key(generator: torch.Generator | None = None) -> torch.Tensor:
     return torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)
 
 
-def random_bits(index: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor, stream: int,
-                word: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """64 random bits per element as two int64 words in ``[0, 2**32)`` (see the module docstring).
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's increment, as a signed int64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
 
-    ``index``: int64 global element indices in ``[0, 2**62)``; ``key0``/``key1``: 0-d int64 key
-    words; ``stream``: the op's stream number; ``word``: 0 or 1 (which 64-bit draw).
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 output number ``index + 1`` of the sequence seeded with ``seed`` (int64 bits).
+
+    ``seed``: 0-d int64 (any bit pattern); ``index``: int64 tensor, values >= 0. Arithmetic wraps
+    modulo 2**64 as torch's int64 ops do. Equals Vigna's reference ``splitmix64.c``.
     """
+    z = seed + (index + 1) * _GAMMA
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def op_seed(key0: torch.Tensor, key1: torch.Tensor, stream: int, word: int = 0) -> torch.Tensor:
+    """0-d int64 seed of one op's draw ``word``: Threefry-2x32 of the key and ``(stream, word)``."""
     k0, k1 = key0.to(torch.int64) & _MASK, key1.to(torch.int64) & _MASK
-    s0, s1 = threefry2x32((k0, k1), torch.full_like(k0, stream & _MASK), torch.zeros_like(k0))
-    hi = (index >> 32) | (word << 31)
-    return threefry2x32((s0, s1), index & _MASK, hi)
+    s0, s1 = threefry2x32((k0, k1), torch.full_like(k0, stream & _MASK), torch.full_like(k0, word))
+    return (s0 << 32) | s1
 
 
-def uniform_from_bits(bits: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Uniform ``[0, 1)`` values of ``dtype`` from two random words (their top significand bits)."""
+def random_bits(index: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor, stream: int,
+                word: int = 0) -> torch.Tensor:
+    """64 random bits per element (an int64 bit pattern), see the module docstring.
+
+    ``index``: int64 global element indices (>= 0); ``key0``/``key1``: 0-d int64 key words;
+    ``stream``: the op's stream number; ``word``: which 64-bit draw (0, or 1 for the second).
+    """
+    return splitmix64(op_seed(key0, key1, stream, word), index)
+
+
+def uniform_from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Uniform ``[0, 1)`` values of ``dtype`` from int64 random bits (their top significand bits)."""
     m = _SIGNIFICAND_BITS.get(dtype)
     if m is None:
         raise TypeError(f"random values of dtype {dtype}: expected one of {sorted(map(str, _SIGNIFICAND_BITS))}")
-    w0, w1 = bits
-    top = (w0 << (m - 32)) | (w1 >> (64 - m)) if m > 32 else w0 >> (32 - m)
-    return (top.to(torch.float64) * 2.0 ** -m).to(dtype)
+    return (_shr(bits, 64 - m).to(torch.float64) * 2.0 ** -m).to(dtype)
 
 
 def _random(operands: list[torch.Tensor], config: dict[str, Any]) -> torch.Tensor:
@@ -123,5 +149,5 @@ def _random(operands: list[torch.Tensor], config: dict[str, Any]) -> torch.Tenso
 
 #: (target, kernel, sharding-rule kind, unsharded dims, doc): ``spmd.ir.custom_calls`` builds the spec.
 RANDOM_CALLS = (
-    ("random", _random, "elementwise", None, "counter-based random values of global element indices"),
+    ("random", _random, "elementwise", None, "counter-based random values of global element indices (SplitMix64)"),
 )

@@ -33,8 +33,9 @@ class ParallelStyle:
     """How the parameters of one module (or one parameter) are laid out over the tp axis.
 
     ``unit`` names what the split dim counts: ``"heads"`` means the dim is
-    ``heads x head_dim`` (``head_dim`` is read from the nearest enclosing module that has a
-    ``head_dim`` attribute) and the head count must divide by the axis size; ``"features"``
+    ``heads x head_dim`` (the head size comes from the nearest enclosing module, the split
+    module included, with a ``head_dim`` attribute, or a ``num_heads`` / ``n_heads``
+    attribute: see ``_head_dim``) and the head count must divide by the axis size; ``"features"``
     means the dim itself must divide by it. Raises ValueError for another ``unit``.
     """
 
@@ -139,8 +140,19 @@ def _matching_rule(plan: Plan, fqn: str) -> tuple[int, str] | None:
     return None
 
 
-def _head_dim(module: nn.Module, module_name: str) -> int | None:
-    """``head_dim`` of the nearest module enclosing ``module_name`` that defines one."""
+HEAD_COUNT_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
+WIDTH_ATTRS = ("hidden_size", "embed_dim", "d_model", "n_embd", "dim")
+
+
+def _head_dim(module: nn.Module, module_name: str, size: int) -> int | None:
+    """The head size of the split dim (of ``size`` elements) of ``module_name``'s parameter.
+
+    From the nearest module enclosing ``module_name`` (itself included) that says: its
+    ``head_dim``; else its model width over its head count (``hidden_size`` / ``embed_dim`` /
+    ``d_model`` / ``n_embd`` / ``dim`` over ``num_heads`` / ``n_heads`` /
+    ``num_attention_heads`` / ``n_head``, as ``nn.MultiheadAttention`` and most attention
+    modules define them); else ``size`` over its head count. None when no module says.
+    """
     parts = module_name.split(".")
     for n in range(len(parts), -1, -1):
         try:
@@ -148,8 +160,18 @@ def _head_dim(module: nn.Module, module_name: str) -> int | None:
         except AttributeError:
             continue
         hd = getattr(owner, "head_dim", None)
-        if isinstance(hd, int):
+        if isinstance(hd, int) and hd > 0:
             return hd
+        heads = next((h for h in (getattr(owner, a, None) for a in HEAD_COUNT_ATTRS)
+                      if isinstance(h, int) and h > 0), None)
+        if heads is None:
+            continue
+        width = next((w for w in (getattr(owner, a, None) for a in WIDTH_ATTRS)
+                      if isinstance(w, int) and w > 0 and w % heads == 0), None)
+        if width is not None:
+            return width // heads
+        if size % heads == 0:
+            return size // heads
     return None
 
 
@@ -164,10 +186,15 @@ def _mesh_axis_size(mesh, axis: str) -> int:
 
 def _check_divisible(module, name, fqn, style, size, dim, axis, axis_size) -> None:
     if style.unit == "heads":
-        hd = _head_dim(module, name)
+        hd = _head_dim(module, name, size)
         if hd is None:
-            raise ValueError(f"{name}: style {type(style).__name__}(unit='heads') needs an enclosing module "
-                             f"with a head_dim attribute; none found")
+            raise ValueError(
+                f"{name}: style {type(style).__name__}(unit='heads') needs the head size: set a head_dim "
+                f"attribute (or num_heads with hidden_size / embed_dim) on {name!r} or a module enclosing it; "
+                f"none found (or use unit='features')")
+        if size % hd:
+            raise ValueError(f"{name}: dim {dim} of {fqn} has {size} elements, not a multiple of the head size "
+                             f"{hd}; expected heads x head_dim")
         count, what = size // hd, "heads"
     else:
         count, what = size, "features"

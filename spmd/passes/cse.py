@@ -62,7 +62,7 @@ from spmd.passes.simplify import remove_unused
 
 #: Custom-call targets whose result depends on their operands and config only.
 PURE_CUSTOM_CALLS = frozenset({"softmax", "layer-norm", "attention", "gelu", "silu", "sort", "topk", "cumsum",
-                               "cumprod", "conv1d", "random"}) & frozenset(CUSTOM_CALLS)
+                               "cumprod", "cummax", "cummin", "conv1d", "random"}) & frozenset(CUSTOM_CALLS)
 NEVER_MERGED = frozenset({"parameter"}) | COLLECTIVE_OPCODES | ASYNC_START_OPCODES | ASYNC_DONE_OPCODES
 
 

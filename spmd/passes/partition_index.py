@@ -21,7 +21,7 @@ from spmd.passes.plan_base import Plan
 from spmd.passes.reshard import local_shape, mask_padding
 from spmd.passes.rules_index import gather_dims
 
-__all__ = ["partition_gather", "partition_scatter"]
+__all__ = ["partition_dus", "partition_gather", "partition_scatter"]
 
 
 def _shard_start(em, axes, m: int, idx: Instruction) -> Instruction:
@@ -84,3 +84,37 @@ def partition_scatter(part, inst: Instruction, ops: list[Instruction], p: Plan):
     shape = local_shape(inst.shape, p.result, mesh)
     assert shape == ops[0].shape, (shape, ops[0].shape)
     return part._emit_local(inst, [ops[0], idx, ops[2]], p.result), p.result
+
+
+def partition_dus(part, inst: Instruction, ops: list[Instruction], p: Plan):
+    """Local dynamic-update-slice; a one-row update along a split dim is written by the shard owning it.
+
+    For each such dim: ``local = clamp(start, 0, n-1) - k*m`` (the start clamped as the unpartitioned
+    op clamps it); the write goes to ``clamp(local, 0, m-1)`` and, on
+    shards that do not own the row, writes back the values already there (a dynamic-slice of the
+    update's size), so the cost stays that of the update, not of the operand (XLA's partitioner
+    handles single-element updates of a partitioned dim the same way, with a select).
+    """
+    em, mesh = part.em, part.mesh
+    x_sh = p.operands[0]
+    local_dims = x_sh.shard_dims(inst.operands[0].shape.dims, mesh)
+    x, upd, starts = ops[0], ops[1], list(ops[2:])
+    owned = None
+    for d, axes in enumerate(x_sh.dims):
+        if not axes or inst.operands[1].shape.dims[d] == inst.operands[0].shape.dims[d]:
+            continue  # a dim the update covers whole: the shards line up
+        s = starts[d]
+        dtype = Shape(s.shape.dtype)
+        zero, last = em.constant(0, s.shape.dtype), em.constant(local_dims[d] - 1, s.shape.dtype)
+        s = em.emit("clamp", dtype, [zero, s, em.constant(inst.operands[0].shape.dims[d] - 1, s.shape.dtype)])
+        off = em.emit("multiply", Shape("s32"), [em.axis_index(axes), em.constant(local_dims[d])])
+        local = em.emit("subtract", dtype, [s, em.emit("convert", dtype, [off])])
+        inside = em.emit("and", Shape("pred"), [
+            em.emit("compare", Shape("pred"), [local, zero], {"direction": "GE"}),
+            em.emit("compare", Shape("pred"), [local, last], {"direction": "LE"})])
+        owned = inside if owned is None else em.emit("and", Shape("pred"), [owned, inside])
+        starts[d] = em.emit("clamp", dtype, [zero, local, last])
+    if owned is not None:
+        old = em.emit("dynamic-slice", upd.shape, [x, *starts], {"dynamic_slice_sizes": upd.shape.dims})
+        upd = em.emit("select", upd.shape, [em.broadcast_scalar(owned, upd.shape.with_dtype("pred")), upd, old])
+    return part._emit_local(inst, [x, upd, *starts], p.result), p.result

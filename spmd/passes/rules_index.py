@@ -27,7 +27,7 @@ from spmd.ir.index_shapes import gather_form, scatter_form, scatter_kind
 from spmd.ir.sharding import MeshShape, TensorSharding
 from spmd.passes.plan_base import Plan, _d, _Picker, _rep
 
-__all__ = ["gather_dims", "gather_plan", "scatter_plan"]
+__all__ = ["dus_plan", "gather_dims", "gather_plan", "scatter_plan"]
 
 
 def gather_dims(inst: Instruction):
@@ -126,3 +126,26 @@ def scatter_plan(inst: Instruction, current, out, mesh: MeshShape) -> Plan:
         partial += ax
     sh = TensorSharding(tuple(xs), _ordered(partial, mesh))
     return Plan((sh, TensorSharding(tuple(idx)), TensorSharding(tuple(us))), sh)
+
+
+def dus_plan(inst: Instruction, current, out, mesh: MeshShape) -> Plan:
+    """Plan of ``dynamic-update-slice(x, update, starts...)``.
+
+    Dims the update covers whole pass through (operand, update and result alike). A dim the
+    update covers with one row (a KV-cache position) keeps the operand's axes (else the wanted
+    result's): each shard writes the row only when the position falls in its range
+    (``spmd.passes.partition_index.partition_dus``). Other dims are unsharded.
+    """
+    x, u = current[0], current[1]
+    n, m = inst.operands[0].shape.dims, inst.operands[1].shape.dims
+    whole = [i for i in range(len(n)) if m[i] == n[i]]
+    row = [i for i in range(len(n)) if m[i] == 1 < n[i]]
+    factors = [([_d(x, i), _d(u, i)], _d(out, i)) for i in whole] + [([_d(x, i)], _d(out, i)) for i in row]
+    dims, upd = [()] * len(n), [()] * len(n)
+    for i, ax in zip(whole + row, _assign(factors), strict=True):
+        dims[i] = ax
+        if i in whole:
+            upd[i] = ax
+    sh = TensorSharding(tuple(dims))
+    scalars = tuple(TensorSharding(()) for _ in inst.operands[2:])
+    return Plan((sh, TensorSharding(tuple(upd)), *scalars), sh)

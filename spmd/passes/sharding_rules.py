@@ -12,7 +12,9 @@ Choices follow GSPMD (Xu et al. 2021, arXiv:2105.04663, §3.4 and XLA's
 named-axis factor propagation: a dim keeps the axes its operand already has (no
 communication), falls back to the wanted result's axes (a local slice, no communication), and
 an axis is used at most once. Dot contracting dims sharded alike give a ``partial`` result;
-``partial`` passes only through ops linear in that operand.
+``partial`` passes only through ops linear in that operand, and in 16-bit float types only
+through the exact ones (add, subtract, negate, copy, widening converts): a product or quotient
+of a partial value would round each device's term at its own scale before the sum.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from spmd.ir.sharding import MeshShape, TensorSharding
 from spmd.passes.dot_plans import _dot, dot_dims  # noqa: F401  (dot_dims is re-exported)
 from spmd.passes.plan_base import Axes, Plan, _d, _p, _Picker, _rep
 from spmd.passes.rules_conv import plan_conv1d
-from spmd.passes.rules_index import gather_dims, gather_plan, scatter_plan  # noqa: F401  (gather_dims re-exported)
+from spmd.passes.rules_index import dus_plan, gather_dims, gather_plan, scatter_plan  # noqa: F401  (gather_dims re-exported)
 
 
 def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSharding | None,
@@ -56,20 +58,36 @@ def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSha
 
 
 # --------------------------------------------------------------------------- elementwise
+# 16-bit floats: a partial value multiplied, divided or rounded to the type per device
+# before the sum rounds each device's term at the scale of that term (which may be far larger
+# than the sum), so those ops take the all-reduced value instead; in 32- and 64-bit types the
+# reordering is harmless and saves the collective (as XLA does).
+_LOW_PRECISION = frozenset({"bf16", "f16"})
+_EXACT_ON_PARTIALS = frozenset({"add", "subtract", "negate", "copy", "convert"})
+
+
 def _linear_operands(inst: Instruction, current) -> tuple[int, ...]:
     """Operands that may stay partial (all of them with the same partial axes)."""
     op = inst.opcode
     parts = [_p(c) for c in current]
+    if inst.shape.dtype in _LOW_PRECISION and op not in _EXACT_ON_PARTIALS:
+        return ()
     if op in ("add", "subtract"):
         return (0, 1) if parts[0] and parts[0] == parts[1] else ()
     if op in ("negate", "copy") or (op == "convert" and inst.shape.torch_dtype.is_floating_point
-                                    and inst.operands[0].shape.torch_dtype.is_floating_point):
+                                    and inst.operands[0].shape.torch_dtype.is_floating_point
+                                    and _float_bits(inst.shape.dtype) >= _float_bits(inst.operands[0].shape.dtype)):
         return (0,) if parts[0] else ()
     if op == "multiply" and bool(parts[0]) != bool(parts[1]):
         return (0,) if parts[0] else (1,)
     if op == "divide" and parts[0] and not parts[1]:
         return (0,)
     return ()
+
+
+def _float_bits(dtype: str) -> int:
+    """Bits of an HLO floating type name (``"bf16"`` -> 16)."""
+    return int(dtype.lstrip("bf"))
 
 
 def _merge_dims(shardings: list[TensorSharding], used=()) -> tuple[Axes, ...]:
@@ -274,16 +292,6 @@ def _dynamic_slice(inst, current, out, mesh) -> Plan:
     return Plan((TensorSharding(dims, part), *scalars), TensorSharding(dims, part))
 
 
-def _dynamic_update_slice(inst, current, out, mesh) -> Plan:
-    x, u = current[0], current[1]
-    n, m = inst.operands[0].shape.dims, inst.operands[1].shape.dims
-    picker = _Picker()
-    dims = tuple(picker.pick(_d(x, i), _d(u, i), _d(out, i)) if m[i] == n[i] else () for i in range(len(n)))
-    sh = TensorSharding(dims)
-    scalars = tuple(TensorSharding(()) for _ in inst.operands[2:])
-    return Plan((sh, sh, *scalars), sh)
-
-
 # --------------------------------------------------------------------------- custom calls
 def _custom_call(inst, current, out, mesh) -> Plan:
     target = inst.attrs.get("custom_call_target")
@@ -294,7 +302,7 @@ def _custom_call(inst, current, out, mesh) -> Plan:
     if spec.rule == "sharding-constraint":
         want = inst.sharding if inst.sharding is not None else (out if out is not None else current[0])
         return Plan((want,), want)
-    if spec.rule == "elementwise":
+    if spec.rule in ("elementwise", "scan"):  # a scan along a sharded dim: spmd.passes.partition_scan
         return _elementwise(inst, current, out)
     if spec.rule == "convolution":
         return plan_conv1d(inst, current, out, mesh)
@@ -342,6 +350,6 @@ _RULES = {
     "gather": gather_plan,
     "scatter": scatter_plan,
     "dynamic-slice": _dynamic_slice,
-    "dynamic-update-slice": _dynamic_update_slice,
+    "dynamic-update-slice": dus_plan,
     "custom-call": _custom_call,
 }

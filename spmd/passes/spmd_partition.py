@@ -32,8 +32,9 @@ from typing import ClassVar
 
 from spmd.ir.hlo import ASYNC_DONE_OPCODES, ASYNC_START_OPCODES, COLLECTIVE_OPCODES, Computation, Instruction, Module
 from spmd.ir.sharding import TensorSharding
-from spmd.passes.partition_index import partition_gather, partition_scatter
+from spmd.passes.partition_index import partition_dus, partition_gather, partition_scatter
 from spmd.passes.partition_iota import partition_iota
+from spmd.passes.partition_scan import partition_custom_call
 from spmd.passes.propagate_sharding import PropagateSharding
 from spmd.passes.reshard import IDENTITY, Emitter, local_shape, mask_padding, normalize, reshard
 from spmd.passes.sharding_rules import Plan, dot_dims, plan, reduce_kind
@@ -220,10 +221,12 @@ def _is_constant(inst: Instruction, value) -> bool:
 
 _HANDLERS = {
     "iota": partition_iota,
+    "custom-call": partition_custom_call,
     "dot": _Partitioner._dot,
     "reduce": _Partitioner._reduce,
     "gather": partition_gather,
     "scatter": partition_scatter,
+    "dynamic-update-slice": partition_dus,
     "dynamic-slice": _Partitioner._dynamic_slice,
     "slice": _Partitioner._slice,
 }

@@ -26,9 +26,14 @@ Argument binding (no allocation during capture: inputs are bound before it):
   staged and the graphs are captured again (counter ``cuda_graphs.recapture``).
 - *staged*: every other parameter gets a private static buffer per device, allocated once
   outside capture; each call copies the argument into it (one ``torch._foreach_copy_`` per
-  device), skipped when the argument already is that buffer (``input_buffers``).
-- Donation is accepted and ignored: outputs never alias arguments (the caller still gives
-  a donated buffer up; the runner never writes into it).
+  device), skipped when the argument already is that buffer (``input_buffers``). Copies are
+  counted (``cuda_graphs.staged.copies`` / ``.bytes``, ``staged_copies`` / ``staged_bytes``).
+- *donated and aliased*: a donated parameter whose buffer the donation plan writes an output
+  into is staged, and that output IS its static buffer, updated in place by the replay and
+  handed to the caller; passing it back as the donated argument stages nothing
+  (``spmd.runtime.graphs_donation``, which also states the no-overwrite rule). Other donated
+  parameters are staged; the runner never writes a caller's buffer. A call donating another
+  set of parameters than the graphs were captured for captures again.
 
 Outputs and the aliasing rule (``GraphOptions.outputs``). Replayed outputs are ordered on the
 caller's current stream of each device, like the outputs of eager PyTorch ops, and carry no
@@ -44,7 +49,7 @@ ready events (``graphs_cuda`` says how):
   caller's must be ordered before the caller's stream (or waited for) before the last
   reference is dropped: a later replay may then overwrite the memory. Every output that would
   alias an argument, a persistent constant or the arena is copied inside the graph, so outputs
-  are always graph-owned memory.
+  are always graph-owned memory -- or a donated static buffer (above), which never rotates.
 - ``"clone"``: each call returns fresh tensors, copied from a private set's static outputs on
   the caller's streams right after the replay; static outputs never leave the runner.
 
@@ -68,6 +73,16 @@ from typing import Any
 import torch
 
 from spmd import metrics
+from spmd.runtime import graphs_donation as gd
+from spmd.runtime.graphs_binding import (  # noqa: F401  (_ready_per_device: tests)
+    _Binding,
+    _OutputSet,
+    _ptrs,
+    _ready_per_device,
+    _same,
+    _staged_binding,
+    _use_count,
+)
 from spmd.runtime.graphs_host import HostReplayBackend  # noqa: F401  (re-exported: tests, CPU debugging)
 from spmd.runtime.kernels_fusion import graph_warmup
 
@@ -207,34 +222,6 @@ def _log_once(key: str, msg: str, *args: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- runner
-@dataclass(eq=False)
-class _Binding:
-    """How parameter ``i`` enters the graphs: the caller's own tensors, or static buffers."""
-
-    adopted: bool
-    tensors: list[Tensor]
-    ptrs: tuple
-
-
-class _OutputSet:
-    """One captured graph and the liveness of its static outputs (tracked for "rotate")."""
-
-    def __init__(self, captured: Any, track: bool) -> None:
-        self.captured = captured
-        self.refs: list = []
-        self.baseline: list[int] = []
-        if track:
-            from torch.multiprocessing.reductions import StorageWeakRef
-
-            self.refs = [StorageWeakRef(t.untyped_storage()).cdata for per in captured.outputs for t in per]
-            self.baseline = [_use_count(r) for r in self.refs]
-
-    def free(self) -> bool:
-        """No tensor or view of the static outputs is alive outside the runner."""
-        return all(map(operator.le, map(_use_count, self.refs), self.baseline))
-
-
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 _REPLAY = metrics.counter("cuda_graphs.replay")
 _HELD = metrics.counter("cuda_graphs.clone_call.outputs_held")
 
@@ -250,7 +237,8 @@ class GraphRunner:
     Attributes of the executable (``program``, ``devices``, ...) are readable through the
     runner; ``disabled_reason`` / ``disabled_detail`` say why it went eager for good (e.g.
     "capture_error" and the exception). Calls are serialised by a lock. See the module
-    docstring for the binding and output rules.
+    docstring for the binding and output rules. ``staged_copies`` / ``staged_bytes``: argument
+    copies into static buffers so far (the steady state of a donated cache makes none).
     """
 
     def __init__(self, executable: Any, options: GraphOptions = GraphOptions(), backend: Any = None) -> None:
@@ -269,6 +257,10 @@ class GraphRunner:
         self._warm_ptrs: list[tuple] = []
         self._warm_threads: set[int] = set()
         self._bound: list[_Binding] = []
+        self._key: frozenset[int] = frozenset()      # the donated set the bindings were made for
+        self._donors: gd.DonorBuffers | None = None     # donated static buffers that outputs are written into
+        self.staged_copies = 0
+        self.staged_bytes = 0
         self._adopted: list[tuple[int, _Binding]] = []
         self._staged: list[tuple[int, _Binding]] = []
         self._adopted_ids: list[int] = []
@@ -315,7 +307,7 @@ class GraphRunner:
         if trace is not None or self.disabled_reason is not None:
             if trace is not None:
                 metrics.counter("cuda_graphs.eager_call.trace").inc()
-            return ex.run(args, arg_ready, donated, trace)
+            return self._eager(args, arg_ready, donated, trace)
         ex._check_args(args)
         return self.run_checked(args, arg_ready, donated)
 
@@ -339,14 +331,26 @@ class GraphRunner:
                     return ex.run(args, arg_ready, donated)
             try:
                 self._rebind(args, donated)
+                copies = self._copies(args) if self._staged else self._no_copies
+                if copies is None:  # another tensor donated while a live output holds the static buffer
+                    gd.DONOR_HELD.inc()
+                    return self._eager(args, arg_ready, donated)
                 out_set, clone = self._select(args, arg_ready)
             except CaptureError as e:
                 self._disable("capture_error", f"{type(e.__cause__).__name__}: {e.__cause__}")
                 return ex.run(args, arg_ready, donated)
             _REPLAY.inc()
             ready = self._no_ready if arg_ready is None else _ready_per_device(arg_ready, len(self._no_ready))
-            copies = self._copies(args) if self._staged else self._no_copies
             return self.backend.launch(out_set.captured, copies, ready, clone)
+
+    def _eager(self, args: Sequence[Sequence[Tensor]], arg_ready: Any, donated: frozenset[int],
+               trace: Any = None) -> tuple[list[list[Tensor]], list[Any]]:
+        """``Executable.run`` while graphs are bound; it may write a donated static buffer (when
+        passed one), so the caller's streams wait for it before a later copy into that buffer."""
+        outs, ready = self.executable.run(args, arg_ready, donated, trace)
+        if self._donors is not None:
+            gd.order_after(ready, self.executable.devices)
+        return outs, ready
 
     def close(self) -> None:
         """Wait for the devices, drop every graph and static buffer, release the memory pools.
@@ -354,14 +358,27 @@ class GraphRunner:
         A later call binds and captures again (into a new pool).
         """
         with self._lock:
-            self.backend.synchronize()
-            self._drop_sets()
-            # the next capture adopts a parameter again only if it was adopted so far (the first
-            # call's addresses are stale: a staged argument may have been allocated there since)
-            self._warm_ptrs = [b.ptrs if b.adopted else None for b in self._bound] or self._warm_ptrs
-            self._set_bound([])
+            self._unbind()
 
     # ------------------------------------------------------------------ binding
+    def _unbind(self) -> None:
+        """Drop every graph and binding (after the devices are done)."""
+        self.backend.synchronize()
+        self._drop_sets()
+        # the next capture adopts a parameter again only if it was adopted so far (the first
+        # call's addresses are stale: a staged argument may have been allocated there since)
+        self._warm_ptrs = [b.ptrs if b.adopted else None for b in self._bound] or self._warm_ptrs
+        self._set_bound([])
+        self._donors = None
+
+    def _bind_all(self, args: Sequence[Sequence[Tensor]], key: frozenset[int]) -> None:
+        """Bind every parameter for a capture of the donated set ``key``."""
+        bound = [self._initial(i, per, key) for i, per in enumerate(args)]
+        self._set_bound(bound)
+        self._key = key
+        aliased = gd.aliased_outputs(self.executable._variant(key)[0]) if key else {}
+        self._donors = gd.DonorBuffers(aliased, {i: bound[i].tensors for i in aliased.values()}) if aliased else None
+
     def _set_bound(self, bound: list[_Binding]) -> None:
         self._bound = bound
         self._adopted = [(i, b) for i, b in enumerate(bound) if b.adopted]
@@ -370,8 +387,11 @@ class GraphRunner:
         self._adopted_flat = [t for _, b in self._adopted for t in b.tensors]
 
     def _rebind(self, args: Sequence[Sequence[Tensor]], donated: frozenset[int]) -> None:
+        if self._bound and frozenset(donated) != self._key:
+            self._unbind()  # graphs of another donated set: capture the new variant
+            metrics.counter("cuda_graphs.recapture").inc()
         if not self._bound:
-            self._set_bound([self._initial(i, per, donated) for i, per in enumerate(args)])
+            self._bind_all(args, frozenset(donated))
             return
         if all(map(operator.is_, chain.from_iterable(map(args.__getitem__, self._adopted_ids)), self._adopted_flat)):
             return  # the same tensor objects as captured (C-level loops: no Python per parameter)
@@ -392,12 +412,31 @@ class GraphRunner:
             return _Binding(True, list(per), ptrs)
         return _staged_binding(per)
 
-    def _copies(self, args: Sequence[Sequence[Tensor]]) -> list[list[tuple[Tensor, Tensor]]]:
+    def _copies(self, args: Sequence[Sequence[Tensor]]) -> list[list[tuple[Tensor, Tensor]]] | None:
+        """Per device, the (static buffer, argument) copies this call needs; counted.
+
+        None when a donated static buffer that an output is written into would be overwritten
+        while a live output still holds it (``spmd.runtime.graphs_donation``).
+        """
         copies: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self._no_copies]
+        donors = self._donors
+        n = nbytes = 0
         for i, b in self._staged:
+            check = donors is not None and i in donors.params
             for k, (dst, src) in enumerate(zip(b.tensors, args[i])):
                 if src is not dst and (src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride()):
+                    if check:
+                        if not donors.free(i):
+                            return None
+                        check = False
                     copies[k].append((dst, src))
+                    n += 1
+                    nbytes += dst.nbytes
+        if n:
+            self.staged_copies += n
+            self.staged_bytes += nbytes
+            gd.STAGED_COPIES.inc(n)
+            gd.STAGED_BYTES.inc(nbytes)
         return copies
 
     # ------------------------------------------------------------------ output sets
@@ -430,12 +469,14 @@ class GraphRunner:
             self._warm_threads.add(threading.get_ident())
             metrics.counter("cuda_graphs.eager_call.thread_warmup").inc()
         static_args = [b.tensors for b in self._bound]
-        try:
-            captured = self.backend.capture(static_args)
+        donors = self._donors
+        try:  # the donated variant only where an output is written into a donated static buffer
+            captured = (self.backend.capture(static_args, self._key) if donors is not None
+                        else self.backend.capture(static_args))
         except Exception as e:  # noqa: BLE001 - any failure of capture means eager execution
             raise CaptureError(str(e)) from e
         metrics.counter("cuda_graphs.capture").inc()
-        return _OutputSet(captured, self._rotate)
+        return _OutputSet(captured, self._rotate, donors.outputs if donors is not None else frozenset())
 
     def _drop_sets(self) -> None:
         """Drop every graph (the caller has synchronized); the backend then takes a fresh pool."""
@@ -453,35 +494,3 @@ class GraphRunner:
             self._drop_sets()
         finally:
             record_fallback(reason, detail)
-
-
-def _same(per: Sequence[Tensor], b: _Binding) -> bool:
-    """Whether ``per`` still is the adopted binding: the same tensors, or the same addresses."""
-    for t, u in zip(per, b.tensors):
-        if t is not u:
-            return _ptrs(per) == b.ptrs
-    return True
-
-
-def _ptrs(per: Sequence[Tensor]) -> tuple:
-    return tuple((t.data_ptr(), t.stride()) for t in per)
-
-
-def _staged_binding(per: Sequence[Tensor]) -> _Binding:
-    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in per]
-    return _Binding(False, bufs, _ptrs(bufs))
-
-
-def _ready_per_device(arg_ready: Sequence[Any] | None, n: int) -> list[list[Any]]:
-    """``arg_ready[i][k]`` (entries or whole rows may be None) -> per device, its events."""
-    out: list[list[Any]] = [[] for _ in range(n)]
-    if arg_ready is None:
-        return out
-    for per in arg_ready:
-        if per is None:
-            continue
-        for k, ev in enumerate(per):
-            if ev is not None:
-                out[k].append(ev)
-    return out
-

@@ -52,6 +52,7 @@ import torch
 
 from spmd.runtime import streams as st
 from spmd.runtime.graphs_cuda_split import capture_split, issue_split, issue_steps, launch_split, splittable
+from spmd.runtime.graphs_donation import call_views, donor_views
 
 Tensor = torch.Tensor
 
@@ -75,12 +76,17 @@ def api_available(num_devices: int) -> bool:
 
 @dataclass(eq=False)
 class CudaCaptured:
-    """A captured graph, its static outputs ``outputs[j][k]`` and the events used to build it."""
+    """A captured graph, its static outputs ``outputs[j][k]`` and the events used to build it.
+
+    ``aliased``: the outputs that are donated parameters' static input buffers, updated in
+    place (``spmd.runtime.graphs_donation``); never cloned.
+    """
 
     graph: Any
     outputs: list[list[Tensor]]
     events: list[Any] = field(default_factory=list)
     device_graphs: list[Any] = field(default_factory=list)  # one per device (graphs_cuda_split)
+    aliased: frozenset[int] = frozenset()
 
     def replay(self) -> None:
         """Launch the graph(s), each on the current stream of its capture device."""
@@ -101,6 +107,7 @@ class _CaptureCall:
 
     vals: list[list[Any]]
     views: list[list[Tensor]]
+    donors: dict[int, list[Tensor]] = field(default_factory=dict)  # output -> donated static buffers
 
 
 class CudaGraphBackend:
@@ -125,6 +132,7 @@ class CudaGraphBackend:
         self._pool_refs: list[int] = []
         self._held = False
         self._views: list[list[Tensor]] | None = None
+        self._views_pool: Any = executable._arenas  # the arena pool of the captured variant
         self._indices = [env.device.index for env in self.envs]
         self._joins: list[Any] = []
         for env in self.envs:
@@ -154,18 +162,31 @@ class CudaGraphBackend:
             torch.cuda.synchronize(env.device)
 
     # ------------------------------------------------------------------ capture
-    def capture(self, static_args: list[list[Tensor]]) -> CudaCaptured:
-        """Capture the donation-free program variant reading ``static_args[i][k]``.
+    def capture(self, static_args: list[list[Tensor]], donated: frozenset[int] = frozenset()) -> CudaCaptured:
+        """Capture the program variant of ``donated`` reading ``static_args[i][k]``.
 
+        With ``donated`` (parameters whose static buffers the runner gives up to the program),
+        an output the donation plan writes into a donated buffer is that static buffer, updated
+        in place by each replay (``CudaCaptured.aliased``; ``spmd.runtime.graphs_donation``).
         Raises:
           RuntimeError (from PyTorch / CUDA / NCCL): an operation that cannot be captured.
         """
         ex = self.ex
-        program, steps = ex._variant(frozenset())
+        program, steps = ex._variant(frozenset(donated))
+        pool = ex._variant_arenas[frozenset(donated)]
+        if self._views is not None and self._views_pool is not pool:  # the runner closes before a new variant
+            raise RuntimeError("capture: graphs of another donation variant still hold the arena (close first)")
         if self._views is None:
-            self._views = ex._arenas.acquire()
-        call = _CaptureCall(ex._bind(program, static_args), self._views)
+            self._views, self._views_pool = pool.acquire(), pool
+        donors = donor_views(program, static_args)
+        call = _CaptureCall(ex._bind(program, static_args), call_views(program, self._views, static_args), donors)
         foreign = _foreign_storages(static_args, program.templates, self._views)
+        captured = self._capture(program, steps, call, foreign)
+        captured.aliased = frozenset(donors)
+        return captured
+
+    def _capture(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int]) -> CudaCaptured:
+        ex = self.ex
         if self.split and splittable(ex, program):
             return capture_split(self, program, steps, call, foreign)
         self.synchronize()
@@ -325,7 +346,8 @@ class CudaGraphBackend:
     @staticmethod
     def _outputs(captured: CudaCaptured, clone: bool) -> list[list[Tensor]]:
         if clone:
-            return [[t.clone() for t in per] for per in captured.outputs]
+            keep = captured.aliased
+            return [[t.detach() if j in keep else t.clone() for t in per] for j, per in enumerate(captured.outputs)]
         return [[t.detach() for t in per] for per in captured.outputs]
 
     def _caller_streams(self) -> list[Any]:
@@ -371,7 +393,7 @@ class CudaGraphBackend:
                 self.pool = torch.cuda.graph_pool_handle()
             if self._views is not None:
                 with contextlib.suppress(Exception):
-                    self.ex._arenas.release(self._views)
+                    self._views_pool.release(self._views)
                 self._views = None
 
 

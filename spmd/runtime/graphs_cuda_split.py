@@ -28,6 +28,7 @@ import torch
 
 from spmd.runtime import streams as st
 from spmd.runtime.executor import issue_segment_gpu
+from spmd.runtime.graphs_donation import place_donor_outputs
 from spmd.runtime.thunks import CollectiveThunk, Segment
 
 Tensor = torch.Tensor
@@ -90,7 +91,9 @@ def issue_steps(backend: Any, program: Any, steps: list, call: Any, foreign: set
     """Issue the program's steps on every device (streams already forked); return its outputs.
 
     Outputs must be graph-owned memory: an output aliasing ``foreign`` storage (arguments,
-    constants, the arena) is cloned. Every device's current stream is its main stream after.
+    constants, the arena) is cloned -- except an output written into a donated parameter's
+    static buffer (``call.donors``, ``spmd.runtime.graphs_donation``), which is that buffer.
+    Every device's current stream is its main stream after.
     """
     envs, ex = backend.envs, backend.ex
     for step in steps:
@@ -102,10 +105,14 @@ def issue_steps(backend: Any, program: Any, steps: list, call: Any, foreign: set
     for env in envs:
         torch.cuda.set_stream(env.main)
     outputs = ex._outputs(program, call)
-    for per in outputs:
+    donors = call.donors
+    for j, per in enumerate(outputs):
+        if j in donors:
+            continue
         for k, t in enumerate(per):
             if t.untyped_storage().data_ptr() in foreign:
                 per[k] = t.clone()
+    place_donor_outputs(outputs, donors)
     return outputs
 
 

@@ -10,20 +10,28 @@ from typing import Any
 
 import torch
 
+from spmd.runtime.graphs_donation import donor_views
+
 Tensor = torch.Tensor
 
 
 class _HostCaptured:
-    """A "graph" of ``HostReplayBackend``: re-issues the program, writes the static outputs."""
+    """A "graph" of ``HostReplayBackend``: re-issues the program, writes the static outputs.
 
-    def __init__(self, executable: Any, static_args: list[list[Tensor]], outputs: list[list[Tensor]]) -> None:
+    ``aliased``: outputs that are donated parameters' static buffers (updated in place).
+    """
+
+    def __init__(self, executable: Any, static_args: list[list[Tensor]], outputs: list[list[Tensor]],
+                 donated: frozenset[int] = frozenset(), aliased: frozenset[int] = frozenset()) -> None:
         self.executable, self.static_args, self.outputs = executable, static_args, outputs
+        self.donated, self.aliased = donated, aliased
 
     def replay(self) -> None:
-        fresh, _ = self.executable.run(self.static_args)
+        fresh, _ = self.executable.run(self.static_args, donated=self.donated)
         for per_static, per_fresh in zip(self.outputs, fresh, strict=True):
             for s, f in zip(per_static, per_fresh, strict=True):
-                s.copy_(f)
+                if s.data_ptr() != f.data_ptr():  # an output written into its donated buffer is in place
+                    s.copy_(f)
 
     def close(self) -> None:
         self.outputs = []
@@ -45,10 +53,19 @@ class HostReplayBackend:
     def synchronize(self) -> None:
         """Nothing to wait for on the host."""
 
-    def capture(self, static_args: list[list[Tensor]]) -> _HostCaptured:
-        """Static outputs shaped like one eager run's outputs."""
+    def capture(self, static_args: list[list[Tensor]], donated: frozenset[int] = frozenset()) -> _HostCaptured:
+        """Static outputs shaped like one eager run's outputs.
+
+        With ``donated``, replays run the donated program variant: an output it writes into a
+        donated parameter's buffer is that static buffer (as ``CudaGraphBackend.capture``).
+        The "capture" run itself is donation-free, so it writes no static argument.
+        """
         outs, _ = self.executable.run(static_args)
-        return _HostCaptured(self.executable, static_args, [[o.clone() for o in per] for per in outs])
+        statics = [[o.clone() for o in per] for per in outs]
+        donors = donor_views(self.executable._variant(frozenset(donated))[0], static_args) if donated else {}
+        for j, bufs in donors.items():
+            statics[j] = bufs
+        return _HostCaptured(self.executable, static_args, statics, frozenset(donated), frozenset(donors))
 
     def launch(self, captured: _HostCaptured, copies: list[list[tuple[Tensor, Tensor]]],
                ready: list[list[Any]], clone: bool) -> tuple[list[list[Tensor]], list[Any]]:
@@ -58,7 +75,9 @@ class HostReplayBackend:
                 dst.copy_(src)
         captured.replay()
         self.num_launches += 1
-        outs = [[t.clone() if clone else t.detach() for t in per] for per in captured.outputs]
+        keep = captured.aliased
+        outs = [[t.clone() if clone and j not in keep else t.detach() for t in per]
+                for j, per in enumerate(captured.outputs)]
         return outs, [None] * len(self.executable.devices)
 
     def close(self) -> None:

@@ -145,6 +145,7 @@ _UNARY: dict[str, Callable] = {
     "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh, "logistic": torch.sigmoid,
     "erf": torch.erf, "sine": torch.sin, "cosine": torch.cos, "floor": torch.floor,
     "ceil": torch.ceil, "sign": torch.sign, "not": torch.bitwise_not,
+    "log-plus-one": torch.log1p, "exponential-minus-one": torch.expm1,
 }
 _BINARY: dict[str, Callable] = {
     "add": torch.add, "subtract": torch.sub, "multiply": torch.mul, "maximum": torch.maximum,
@@ -338,9 +339,17 @@ _REDUCERS: dict[str, tuple[Callable, Callable, float | bool]] = {
     "add": (lambda x, d, t: torch.sum(x, dim=d, dtype=t), torch.add, 0),
     "maximum": (lambda x, d, t: torch.amax(x, dim=d), torch.maximum, -math.inf),
     "minimum": (lambda x, d, t: torch.amin(x, dim=d), torch.minimum, math.inf),
+    "multiply": (lambda x, d, t: _prod(x, d, t), torch.mul, 1),
     "and": (lambda x, d, t: torch.all(x, dim=d), torch.bitwise_and, True),
     "or": (lambda x, d, t: torch.any(x, dim=d), torch.bitwise_or, False),
 }
+
+
+def _prod(x: Tensor, dims: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Product of ``x`` over ``dims`` (torch.prod takes one dim at a time), accumulated in ``dtype``."""
+    for d in sorted(dims, reverse=True):
+        x = torch.prod(x, dim=d, dtype=dtype)
+    return x
 
 
 def _init_is_identity(init: Instruction, identity) -> bool:
@@ -357,7 +366,7 @@ def _init_is_identity(init: Instruction, identity) -> bool:
 
 
 def _build_reduce(inst: Instruction, dev) -> Kernel:
-    """reduce(x, init) over ``dimensions`` with to_apply's root opcode (add/maximum/minimum/and/or)."""
+    """reduce(x, init) over ``dimensions`` with to_apply's root opcode (add/multiply/maximum/minimum/and/or)."""
     if len(inst.operands) != 2:
         raise NotImplementedError(
             f"reduce %{inst.name}: variadic reduce ({len(inst.operands)} operands) is not supported")

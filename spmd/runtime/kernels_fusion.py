@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from spmd import metrics
+from spmd.compile_lock import COMPILE_LOCK
 from spmd.ir.hlo import Computation, Instruction
 
 Tensor = torch.Tensor
@@ -46,7 +47,7 @@ COMPILERS = ("auto", "inductor", "eager")
 
 logger = logging.getLogger("spmd")
 _cache: dict[tuple, Callable[..., Tensor]] = {}
-_compile_lock = threading.RLock()  # Inductor compiles one graph at a time
+_compile_lock = COMPILE_LOCK  # Inductor compiles one graph at a time, never beside a torch.export trace
 _logged: set[str] = set()
 _warmup = threading.local()
 
@@ -165,7 +166,7 @@ def _attr_key(v: Any) -> Any:
 def _compile(structure: tuple, eager: Callable[..., Tensor], ops: list[Tensor]) -> Callable[..., Tensor]:
     """The generated kernel of a fusion for ``ops``' device and layout (cached), else ``eager``."""
     key = (structure, str(ops[0].device), *((tuple(t.shape), t.stride(), t.dtype) for t in ops))
-    with _compile_lock:  # one compile at a time: devices on a CPU thread pool share one result
+    with COMPILE_LOCK:  # one compile at a time (make_fx uses global modes, as torch.export does)
         hit = _cache.get(key)
         if hit is not None:
             metrics.counter("fusion.compile_cache.hit").inc()

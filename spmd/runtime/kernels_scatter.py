@@ -4,11 +4,14 @@ The forms and the index rules are those of ``spmd.ir.index_shapes``: a gather cl
 indices into range, a scatter skips updates whose index is out of range (XLA). The kernels use
 PyTorch's ``index_select`` / ``gather`` / ``index_add_`` / ``index_copy_`` / ``scatter_*_``; an
 update with an out-of-range index is dropped without reading indices back to the host (no
-synchronisation): for ``add`` it becomes a zero added at row 0, for the other combiners it lands
-in one extra row past the end that is cut off afterwards.
+synchronisation): it becomes the combiner's identity (0 for add, 1 for multiply, -inf / +inf for
+max / min) combined into row 0; a replacing update lands in one extra row past the end that is
+cut off afterwards.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -111,30 +114,39 @@ def _broadcast_rows(valid: Tensor, u: Tensor, a: int, rows: bool) -> Tensor:
     return valid.reshape(shape)
 
 
+def _identity(kind: str, dtype: torch.dtype) -> float | int:
+    """The value that ``kind`` leaves unchanged (0 for add, 1 for multiply, -inf/+inf for max/min)."""
+    if kind in ("add", "multiply"):
+        return 0 if kind == "add" else 1
+    if dtype.is_floating_point:
+        return -math.inf if kind == "maximum" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if kind == "maximum" else info.max
+
+
 def _combine(r: Tensor, a: int, i: Tensor, u: Tensor, kind: str, form: str, n: int) -> None:
-    """Combine updates ``u`` at indices ``i`` along dim ``a`` into ``r`` in place; skip indices out of range."""
+    """Combine updates ``u`` at indices ``i`` along dim ``a`` into ``r`` in place; skip indices out of range.
+
+    An update with an index out of range becomes the combiner's identity at index 0 (a no-op);
+    a replacing update cannot be made a no-op, so it goes to an extra row past the end.
+    """
     rows = form == "rows"
     valid = _valid_mask(i, n)
-    if kind == "add":
-        u = torch.where(_broadcast_rows(valid, u, a, rows), u, torch.zeros((), dtype=u.dtype, device=u.device))
+    if kind != "replace":
+        u = torch.where(_broadcast_rows(valid, u, a, rows), u,
+                        torch.full((), _identity(kind, u.dtype), dtype=u.dtype, device=u.device))
         i = torch.where(valid, i, torch.zeros((), dtype=i.dtype, device=i.device))
-        if rows:
-            r.index_add_(a, i, u)
-        else:
-            r.scatter_add_(a, i, u)
+        if kind == "add":
+            (r.index_add_ if rows else r.scatter_add_)(a, i, u)
+            return
+        if rows:  # one index per row, spread over the row (index_reduce_ is still a beta API)
+            i = _broadcast_rows(i, u, a, rows).expand(u.shape)
+        r.scatter_reduce_(a, i, u, _TORCH_REDUCE[kind], include_self=True)
         return
     ext_shape = list(r.shape)
     ext_shape[a] = n + 1
     ext = r.new_empty(ext_shape)
     ext.narrow(a, 0, n).copy_(r)
     i = torch.where(valid, i, torch.full((), n, dtype=i.dtype, device=i.device))
-    if kind == "replace":
-        if rows:
-            ext.index_copy_(a, i, u)
-        else:
-            ext.scatter_(a, i, u)
-    else:
-        if rows:  # one index per row, spread over the row (index_reduce_ is still a beta API)
-            i = _broadcast_rows(i, u, a, rows).expand(u.shape)
-        ext.scatter_reduce_(a, i, u, _TORCH_REDUCE[kind], include_self=True)
+    (ext.index_copy_ if rows else ext.scatter_)(a, i, u)
     r.copy_(ext.narrow(a, 0, n))

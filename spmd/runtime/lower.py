@@ -91,6 +91,8 @@ class Program:
       arena_size_bytes: size of the per-device arena.
       donated_params: parameters whose tensors follow the arena views in a call's view list
         (outputs written into donated buffers).
+      output_donors: per output, the donated parameter whose buffer it is written into, or -1
+        (empty: no output is; a CUDA graph makes that parameter's static input its output).
       shares: slot -> the operand slots whose memory its value may be a view of (reshape,
         slice, ...); such a result writes no memory of its own.
       in_place: slot -> the slot whose memory the op producing it updates in place.
@@ -112,6 +114,7 @@ class Program:
     arena_views: tuple[ArenaView, ...]
     arena_size_bytes: int
     donated_params: tuple[int, ...] = ()
+    output_donors: tuple[int, ...] = ()
     shares: dict[int, tuple[int, ...]] = field(default_factory=dict)
     in_place: dict[int, int] = field(default_factory=dict)
     view_slots: frozenset[int] = frozenset()
@@ -323,10 +326,17 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
                    output_slots=tuple(output_slots), output_clone=clone, templates=templates,
                    stream_ids=tuple(streams), num_events=num_events, arena_views=tuple(arena_views),
                    arena_size_bytes=int(getattr(buffers, "arena_size_bytes", 0) or 0),
-                   donated_params=tuple(plan[k] for k in sorted(plan)), shares=aliasing.shares(lw.ops, op_buffers),
+                   donated_params=tuple(plan[k] for k in sorted(plan)),
+                   output_donors=_output_donors(lw, output_slots, plan), shares=aliasing.shares(lw.ops, op_buffers),
                    in_place={op.out: op.alias_of for op in lw.ops if op.alias_of >= 0},
                    view_slots=frozenset(op.out for op in lw.ops if "view" in op.extra),
                    folded_names=frozenset(lw.slot_inst[s].name for s in lw.folded))
+
+
+def _output_donors(lw: _Lowerer, output_slots: list[int], plan: dict[int, int]) -> tuple[int, ...]:
+    """Per output, the donated parameter whose buffer receives it (``plan``), or -1; () when none does."""
+    written = {lw.ops[k].out: i for k, i in plan.items()}
+    return tuple(written.get(s, -1) for s in output_slots) if written else ()
 
 
 def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:

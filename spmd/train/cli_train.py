@@ -1,4 +1,5 @@
-"""``python -m spmd train``: train a small GPT on Python standard-library text on a mesh.
+"""``python -m spmd train``: train a small GPT on Python standard-library text on a mesh (or, with
+``--task minilm``, fine-tune all-MiniLM-L6-v2 contrastively, ``spmd.train.contrastive``).
 
     python -m spmd train                              # all GPUs, else 4 virtual CPU devices (dp=2, tp=2)
     python -m spmd train --steps 300 --ckpt-dir ck --save-every 100 --plot loss.png
@@ -28,6 +29,9 @@ __all__ = ["add_train_parser", "cmd_train"]
 def add_train_parser(sub) -> None:
     """Register the ``train`` sub-command on an argparse sub-parsers object."""
     p = sub.add_parser("train", help="train a small GPT on Python stdlib text (DP/FSDP x TP), with checkpoints")
+    p.add_argument("--task", choices=("gpt", "minilm"), default="gpt",
+                   help="gpt: a small GPT from scratch (default); minilm: fine-tune all-MiniLM-L6-v2 (real "
+                   "weights) with in-batch negatives on stdlib (signature, docstring) pairs (slow on CPUs)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if GPUs are present, else 4 cpu devices")
     p.add_argument("--mesh", help="mesh axes dp=..,tp=.. (default: tp=2 when the device count is even, dp the rest)")
     p.add_argument("--steps", type=int, default=200, help="train until this step (default 200)")
@@ -37,7 +41,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     p.add_argument("--vocab", type=int, default=1024, help="compact vocabulary size (default 1024)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 3e-3 gpt, 2e-5 minilm)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
     p.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over dp (ZeRO-3)")
     p.add_argument("--ckpt-dir", metavar="DIR", help="write step-N.safetensors checkpoints here")
@@ -68,39 +72,64 @@ def _check(args) -> None:
     for name in ("steps", "batch", "seq", "hidden", "heads", "layers"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name}: expected >= 1, got {getattr(args, name)}")
-    if args.vocab < 2 or args.save_every < 0 or not math.isfinite(args.lr) or args.lr <= 0:
+    if args.vocab < 2 or args.save_every < 0 or (args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0)):
         raise CliError("--vocab must be >= 2, --save-every >= 0 and --lr a positive number")
     if args.hidden % args.heads:
         raise CliError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
 
 
-def cmd_train(args, console: Console) -> int:
-    """Run the training job described by ``args``; returns the exit status (0)."""
+def _gpt_job(args, mesh, axes):
+    """(model, plan, loss_fn, batch_of(step), description) of the small-GPT task."""
     from spmd.models.plans import gpt_plan
-    from spmd.train import AdamW, make_train_step
     from spmd.train.tiny_gpt import TinyGPT, batch_at, lm_loss, load_corpus
 
-    _check(args)
-    mesh, axes = _mesh(args)
     tokens, _ = load_corpus(args.vocab, args.model_dir)
     torch.manual_seed(args.seed)
     model = TinyGPT(args.vocab, args.seq, args.hidden, args.heads, args.layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    what = (f"TinyGPT ({args.layers} layers, hidden {args.hidden}, {n_params:,} parameters) on {mesh!r}; "
+            f"{tokens.numel():,} stdlib tokens")
     plan = gpt_plan() if axes["tp"] > 1 else None
-    ts = make_train_step(model, mesh, plan, lm_loss, optimizer=AdamW(lr=args.lr, weight_decay=0.1),
+    return model, plan, lm_loss, lambda step: batch_at(tokens, step, args.batch, args.seq, args.seed), what
+
+
+def _minilm_job(args, mesh, axes):
+    """(model, plan, loss_fn, batch_of(step), description) of the MiniLM contrastive fine-tune."""
+    from spmd.models.minilm import load_model, load_tokenizer
+    from spmd.models.plans import bert_plan
+    from spmd.train.contrastive import contrastive_loss, load_pairs, pair_batch_at
+
+    pairs, tok = load_pairs(), load_tokenizer(args.model_dir)
+    model = load_model(args.model_dir).train().requires_grad_(True)
+    what = (f"all-MiniLM-L6-v2 (real weights, {sum(p.numel() for p in model.parameters()):,} parameters) on "
+            f"{mesh!r}; {len(pairs)} stdlib (signature, docstring) pairs")
+    plan = bert_plan() if axes["tp"] > 1 else None
+    return model, plan, contrastive_loss, lambda step: pair_batch_at(pairs, tok, step, args.batch, args.seq,
+                                                                     args.seed), what
+
+
+def cmd_train(args, console: Console) -> int:
+    """Run the training job described by ``args``; returns the exit status (0)."""
+    from spmd.train import AdamW, make_train_step
+
+    _check(args)
+    mesh, axes = _mesh(args)
+    model, plan, loss_fn, batch_of, what = (_gpt_job if args.task == "gpt" else _minilm_job)(args, mesh, axes)
+    lr = args.lr if args.lr is not None else (3e-3 if args.task == "gpt" else 2e-5)
+    ts = make_train_step(model, mesh, plan, loss_fn, optimizer=AdamW(lr=lr, weight_decay=0.1 if args.task == "gpt"
+                                                                      else 0.01),
                          fsdp=args.fsdp and axes.get("dp", 1) > 1, clip_grad_norm=1.0)
     start = 0
     if args.resume:
         ts.load(args.resume)
         start = int(ts.opt_state["step"].to_torch())
-    n_params = sum(p.numel() for p in model.parameters())
-    console.print(f"TinyGPT ({args.layers} layers, hidden {args.hidden}, {n_params:,} parameters) on {mesh!r}; "
-                  f"{tokens.numel():,} stdlib tokens, batch {args.batch} x {args.seq}, steps {start}..{args.steps}")
-    losses, times = _loop(ts, args, tokens, start, console, batch_at, lm_loss)
+    console.print(f"{what}, batch {args.batch} x {args.seq}, steps {start}..{args.steps}")
+    losses, times = _loop(ts, args, batch_of, start, console)
     _report(console, losses, times, args)
     return 0
 
 
-def _loop(ts, args, tokens, start, console, batch_at, lm_loss):
+def _loop(ts, args, batch_of, start, console):
     losses: list[tuple[int, float]] = []
     times: list[float] = []
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -109,7 +138,7 @@ def _loop(ts, args, tokens, start, console, batch_at, lm_loss):
         task = progress.add_task("compiling", total=args.steps, completed=start)
         for step in range(start, args.steps):
             t0 = time.perf_counter()
-            loss = float(ts.step(batch_at(tokens, step, args.batch, args.seq, args.seed))["loss"])
+            loss = float(ts.step(batch_of(step))["loss"])
             dt = time.perf_counter() - t0
             if step > start:  # the first step compiles
                 times.append(dt)
@@ -120,7 +149,7 @@ def _loop(ts, args, tokens, start, console, batch_at, lm_loss):
             if args.ckpt_dir and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
                 os.makedirs(args.ckpt_dir, exist_ok=True)
                 ts.save(os.path.join(args.ckpt_dir, f"step-{step + 1}.safetensors"))
-            if step + 1 == start + 1 or (step + 1) % 10 == 0:
+            if step + 1 in (start + 1, args.steps) or (step + 1) % 10 == 0:
                 console.print(f"step {step + 1:5d}  loss {loss:.6f}")
     return losses, times
 
@@ -148,7 +177,7 @@ def _report(console, losses, times, args) -> None:
         ax.plot([s for s, _ in losses], [v for _, v in losses])
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
-        ax.set_title("TinyGPT on Python stdlib text")
+        ax.set_title("TinyGPT on Python stdlib text" if args.task == "gpt" else "MiniLM contrastive fine-tune")
         fig.tight_layout()
         fig.savefig(args.plot)
         console.print(f"loss curve: {args.plot}")

@@ -24,24 +24,36 @@ from spmd.mesh import Mesh
 from spmd.models.plans import Plan, resolve_plan
 from spmd.parallelize import _activation_hooks
 from spmd.passes.pipeline import CompileOptions
-from spmd.sharding import NamedSharding, PartitionSpec
+from spmd.sharding import NamedSharding, PartitionSpec, check_spec
 from spmd.train.optim import Optimizer, check_hyper, clip_grad_norm
 from spmd.train.state import load_state, save_state
 
 __all__ = ["TrainStep", "make_train_step", "grad_step_fn"]
 
 
-def grad_step_fn(module: nn.Module, loss_fn, optimizer: Optimizer, max_grad_norm: float | None = None):
+def _cast_floats(tree, dtype: torch.dtype | None):
+    if dtype is None:
+        return tree
+    cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype.is_floating_point else x
+    return torch.utils._pytree.tree_map(cast, tree)
+
+
+def grad_step_fn(module: nn.Module, loss_fn, optimizer: Optimizer, max_grad_norm: float | None = None,
+                 compute_dtype: torch.dtype | None = None):
     """The pure step ``(params, opt_state, batch) -> (params, opt_state, metrics)`` of ``module``.
 
     ``loss_fn(apply, batch)`` returns a 0-d floating loss; ``apply(*inputs)`` runs the module
     with ``params`` (``torch.func.functional_call``). Gradients come from
-    ``torch.func.grad_and_value``. ``metrics`` holds ``loss`` (and ``grad_norm``, the norm before
-    clipping, when ``max_grad_norm`` is set).
+    ``torch.func.grad_and_value``. ``metrics`` holds ``loss`` (float32; and ``grad_norm``, the
+    norm before clipping, when ``max_grad_norm`` is set). With ``compute_dtype`` (mixed
+    precision, Micikevicius et al., "Mixed Precision Training", 2018) the forward and backward
+    run on copies of the params and of the batch's floating tensors in that dtype; gradients,
+    params and optimizer state stay in the params' dtype (float32 master weights).
     """
     def step(params, opt_state, batch):
         def loss_of(p):
-            loss = loss_fn(lambda *xs: torch.func.functional_call(module, p, xs), batch)
+            p, b = _cast_floats(p, compute_dtype), _cast_floats(batch, compute_dtype)
+            loss = loss_fn(lambda *xs: torch.func.functional_call(module, p, xs), b)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
                 got = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
                        if isinstance(loss, torch.Tensor) else type(loss).__name__)
@@ -49,7 +61,7 @@ def grad_step_fn(module: nn.Module, loss_fn, optimizer: Optimizer, max_grad_norm
             return loss
 
         grads, loss = torch.func.grad_and_value(loss_of)(params)
-        metrics = {"loss": loss}
+        metrics = {"loss": loss.to(torch.float32)}
         if max_grad_norm is not None:
             grads, metrics["grad_norm"] = clip_grad_norm(grads, max_grad_norm)
         params, opt_state = optimizer.update(params, grads, opt_state)
@@ -75,8 +87,8 @@ class TrainStep:
         self.batch_axis = batch_axis
         self.state_specs = {"step": PartitionSpec(), **{s: dict(param_specs) for s in optimizer.slots()}}
         self.params = params
-        init = optimizer.init({k: torch.empty(0) for k in params})  # keys only; buffers below
-        self.opt_state = {"step": device_put(init["step"], NamedSharding(mesh, PartitionSpec()))}
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.opt_state = {"step": device_put(torch.zeros((), dtype=torch.float32), replicated)}
         for slot in optimizer.slots():
             self.opt_state[slot] = {k: _zeros_like(v) for k, v in params.items()}
         self._jitted = jit(fn, mesh=mesh, in_shardings=(param_specs, self.state_specs, None),
@@ -105,7 +117,7 @@ class TrainStep:
         self._check_state()
         placed = self.place_batch(batch)
         leaves, tree = torch.utils._pytree.tree_flatten(placed)
-        key = (tree, tuple((tuple(x.shape), x.dtype) for x in leaves))
+        key = (tree, tuple((tuple(x.shape), x.dtype, x.sharding) for x in leaves))
         compiled = self._compiled.get(key)
         if compiled is None:
             with _activation_hooks(self.module, self.plan) if self.plan is not None else _null():
@@ -214,6 +226,8 @@ def _param_specs(module: nn.Module, mesh: Mesh, plan) -> dict[str, PartitionSpec
         bad = [k for k, v in plan.items() if not isinstance(v, PartitionSpec)]
         if bad:
             raise TypeError(f"plan[{bad[0]!r}]: expected a PartitionSpec, got {type(plan[bad[0]]).__name__}")
+        for k, p in module.named_parameters():
+            check_spec(mesh, plan[k], shape=tuple(p.shape), argname=f"plan[{k!r}]")
         return {k: plan[k] for k in names}
     raise TypeError(f"plan: expected a Plan, a dict {{parameter name: PartitionSpec}} or None, "
                     f"got {type(plan).__name__}")
@@ -229,6 +243,7 @@ def make_train_step(
     dp_axis: str | None = "dp",
     fsdp: bool = False,
     clip_grad_norm: float | None = None,
+    compute_dtype: torch.dtype | None = None,
     options: CompileOptions | None = None,
 ) -> TrainStep:
     """Place ``module``'s parameters and ``optimizer``'s state on ``mesh`` and compile a train step.
@@ -245,6 +260,8 @@ def make_train_step(
         mesh: no data parallelism).
       fsdp: also shard every parameter and its optimizer state over ``dp_axis`` (ZeRO-3).
       clip_grad_norm: clip gradients to this global 2-norm (``torch.nn.utils.clip_grad_norm_``).
+      compute_dtype: mixed precision: run forward and backward in this floating dtype (e.g.
+        ``torch.bfloat16``) with the parameters and optimizer state kept in their own dtype.
       options: ``CompileOptions``.
     Returns:
       A ``TrainStep``; its first ``step(batch)`` compiles.
@@ -265,6 +282,8 @@ def make_train_step(
         raise TypeError(f"loss_fn: expected a callable loss_fn(apply, batch), got {type(loss_fn).__name__}")
     if clip_grad_norm is not None:
         check_hyper("make_train_step", "clip_grad_norm", clip_grad_norm)
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype: expected a floating torch.dtype or None, got {compute_dtype!r}")
     if not isinstance(fsdp, bool):
         raise TypeError(f"fsdp: expected True or False, got {fsdp!r}")
     named = dict(module.named_parameters())
@@ -282,6 +301,6 @@ def make_train_step(
         specs = {k: _fsdp_spec(s, tuple(named[k].shape), batch_axis, size) for k, s in specs.items()}
     with torch.no_grad():
         params = {k: device_put(named[k].detach().clone(), NamedSharding(mesh, s)) for k, s in specs.items()}
-    fn = grad_step_fn(module, loss_fn, optimizer, clip_grad_norm)
+    fn = grad_step_fn(module, loss_fn, optimizer, clip_grad_norm, compute_dtype)
     tp_plan = plan if isinstance(plan, Plan) else None
     return TrainStep(module, mesh, tp_plan, fn, specs, params, optimizer, batch_axis, options or CompileOptions())

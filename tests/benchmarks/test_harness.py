@@ -248,9 +248,13 @@ def test_local_run_records_baselines_and_marks_failing_spmd(monkeypatch, capsys)
     assert sum(r["kind"] == "cm-done" for r in printed) == 2
 
 
-def test_local_run_respects_budget():
-    records = cm_local.run(_local_args(budget_s=0.0, no_spmd=True), log=lambda s: None)
-    assert records == []
+def test_local_run_respects_budget(capsys):
+    # a spent budget skips every shape after the first (the first always runs)
+    args = _local_args(budget_s=0.0, no_spmd=True, shapes=[(16, 8, 8), (32, 8, 8)])
+    records = cm_local.run(args, log=lambda s: None)
+    assert {tuple(r["shape"]) for r in records} == {(16, 8, 8)}
+    skipped = [r for r in common.parse_records(capsys.readouterr().out) if r["kind"] == "cm-skipped"]
+    assert [tuple(r["shape"]) for r in skipped] == [(32, 8, 8)]
 
 
 def test_events_suspect_and_join_ready_passthrough():
@@ -335,8 +339,10 @@ def test_collective_matmul_end_to_end_on_cpu(tmp_path):
     doc = tmp_path / "benchmarks.md"
     cmd = [sys.executable, "-m", "benchmarks.collective_matmul", "--device", "cpu", "--tp", "2",
            "--shapes", "16,8,8", "--rounds", "1", "--reps", "1", "--warmup", "0", "--no-spmd",
-           "--skip", "torch,xla,xla-windowed", "--out", str(tmp_path), "--doc", str(doc), "--budget-s", "120"]
-    proc = subprocess.run(cmd, cwd=REPO, env=common.child_env(), capture_output=True, text=True, timeout=170)
+           "--skip", "torch,xla,xla-windowed", "--out", str(tmp_path), "--doc", str(doc), "--budget-s", "600"]
+    # the child's first shape runs whatever its budget (a loaded machine once skipped it); the generous
+    # budget only bounds a hung child
+    proc = subprocess.run(cmd, cwd=REPO, env=common.child_env(), capture_output=True, text=True, timeout=700)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((tmp_path / "cm_results.json").read_text())
     assert results["children"][0]["name"] == "local" and results["children"][0]["ok"]
@@ -344,6 +350,17 @@ def test_collective_matmul_end_to_end_on_cpu(tmp_path):
     assert "matmul→reduce-scatter" in doc.read_text()
     _, rows = summarize.cm_rows(results)
     assert len(rows) == 2 and rows[0][3].startswith("×")
+
+
+def test_the_first_shape_runs_even_when_the_budget_is_spent(capsys):
+    """Only later shapes are skipped for the budget: a run that measures nothing is no benchmark."""
+    args = cm_local.finish_args(cm_local.build_parser().parse_args(
+        ["--device", "cpu", "--tp", "2", "--shapes", "16,8,8;32,8,8", "--rounds", "1", "--reps", "1",
+         "--warmup", "0", "--no-spmd", "--budget-s", "0", "--sides", "rs"]))
+    records = cm_local.run(args, log=lambda s: None)
+    assert records and {tuple(r["shape"]) for r in records if r.get("kind") == "cm"} == {(16, 8, 8)}
+    skipped = [line for line in capsys.readouterr().out.splitlines() if "cm-skipped" in line]
+    assert len(skipped) == 1 and "[32, 8, 8]" in skipped[0]
 
 
 # ----------------------------------------------------------------------------- dispatch and workloads

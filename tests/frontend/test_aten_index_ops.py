@@ -196,3 +196,16 @@ def test_vocab_parallel_loss_and_embedding_backward_on_gpus():
     for _ in range(2):
         got = f(g.cuda(), ids.cuda()).to_torch().cpu()
     torch.testing.assert_close(got, bwd(g, ids), rtol=1e-12, atol=1e-12)
+
+
+def test_out_of_range_indices_follow_xla_rules_where_eager_raises():
+    """Not checked on the device: a lookup clamps the index, a scatter drops the update."""
+    w, ids = _r(5, 3), torch.tensor([0, 7, -9, 4])
+    with pytest.raises(IndexError):
+        F.embedding(ids, w)
+    _, got = run_imported(_emb, (w, ids))
+    torch.testing.assert_close(got, w[ids.clamp(0, 4)])
+    x, y = _r(5, 3), _r(4, 3)
+    _, got = run_imported(_index_add, (x, ids, y))
+    keep = (ids >= 0) & (ids < 5)
+    torch.testing.assert_close(got, x.index_add(0, ids[keep], y[keep]))

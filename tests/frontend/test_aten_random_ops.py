@@ -93,3 +93,19 @@ def test_bf16_dropout_decides_in_float32():
     x = torch.randn(64, 64).bfloat16() + 2
     _, (y,) = _run(lambda t: F.dropout(t, 0.1, training=True), (x,))
     assert y.dtype == torch.bfloat16 and abs((y != 0).float().mean() - 0.9) < 0.02
+
+
+def test_randint_ranges_dtypes_and_uniformity():
+    def f(x):
+        return (torch.randint(0, 10, (100, 50)), torch.randint(5, (7,)), torch.randint_like(x, 3, 7),
+                torch.randint(-4, 4, (20, 30), dtype=torch.int32))
+
+    x = torch.randn(40, 30)
+    _, out = _run(f, (x,))
+    for g, w in zip(out, f(x), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+    counts = torch.bincount(out[0].flatten(), minlength=10).double()
+    chi2 = ((counts - counts.mean()) ** 2 / counts.mean()).sum()
+    assert out[0].min() >= 0 and out[0].max() <= 9 and chi2 < 27.9  # 99.9th percentile of chi2(9)
+    assert set(out[2].unique().tolist()) == {3.0, 4.0, 5.0, 6.0}
+    assert out[3].min() >= -4 and out[3].max() <= 3 and set(out[1].tolist()) <= set(range(5))

@@ -116,3 +116,16 @@ def test_dropout_backward_uses_the_forward_mask(n):
     assert 0 < int(keep.sum()) < keep.numel()
     torch.testing.assert_close(y[keep], ((x @ w) / 0.5)[keep])
     torch.testing.assert_close(g, x.T @ (2 * y * keep / 0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_inside_a_module_forward_are_a_clear_error():
+    class GradInForward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.func.grad(lambda t: F.softmax(self.lin(t), -1).pow(2).sum())(x)
+
+    with pytest.raises(TypeError, match="gradients taken inside an nn.Module's forward.*functional_call"):
+        import_program(GradInForward(), (torch.randn(2, 4),))

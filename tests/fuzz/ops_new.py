@@ -139,8 +139,70 @@ def op_copy(b: Builder) -> None:
     b.emit(None, stmts=("{name} = " + f"{a.name}.clone()", "{name}" + f"[..., {start}:].copy_({src})"))
 
 
+def op_log1p_expm1(b: Builder) -> None:
+    a = b.pick_float()
+    form = b.d.choice(("torch.log1p({a}.abs())", "torch.expm1({a}.tanh())", "{a}.abs().log1p() * {a}"))
+    b.emit(form.format(a=a.name))
+
+
+def op_prod(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    base = f"(1 + 0.25 * {a.name}.tanh())"
+    if b.d.boolean(0.3):
+        b.emit(f"{base}.prod()")
+    else:
+        b.emit(f"{base}.prod(dim={rand_dim(b, a)}, keepdim={b.d.boolean()})")
+
+
+def op_any_all(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    fn = b.d.choice(("any", "all"))
+    cut = b.d.choice(("0", "0.5", "-0.5"))
+    dim = "" if b.d.boolean(0.3) else f"dim={rand_dim(b, a)}, keepdim={b.d.boolean()}"
+    b.emit(f"({a.name} > {cut}).{fn}({dim}).to({a.name}.dtype)")
+
+
+def op_flip(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    dims = sorted({rand_dim(b, a) % a.rank for _ in range(b.d.integer(1, a.rank))})
+    b.emit(f"torch.flip({a.name}, {tuple(dims)})")
+
+
+def op_pad(b: Builder) -> None:
+    a = b.pick_float(min_rank=1)
+    n = b.d.integer(1, min(a.rank, 3))
+    pad = [b.d.integer(-1 if a.shape[a.rank - 1 - k // 2] > 2 else 0, 2) for k in range(2 * n)]
+    if b.d.boolean(0.6):
+        b.emit(f"F.pad({a.name}, {tuple(pad)}, value={b.d.choice(('0.0', '1.5', '-2.0'))})")
+        return
+    if a.rank < 2 or a.rank > 4:
+        raise Reject("reflect/replicate/circular pad needs a batch dim and at most 3 padded dims")
+    k = min(n, a.rank - 1)
+    pad = [b.d.integer(0, min(2, a.shape[a.rank - 1 - j // 2] - 1)) for j in range(2 * k)]
+    b.emit(f"F.pad({a.name}, {tuple(pad)}, mode={b.d.choice(('reflect', 'replicate', 'circular'))!r})")
+
+
+def op_order_statistic(b: Builder) -> None:
+    indices = b.d.boolean(0.3)
+    a = _exact_float(b) if indices else b.pick_float(min_rank=1)
+    d = rand_dim(b, a)
+    field = "indices" if indices else "values"
+    keep = b.d.boolean()
+    if b.d.boolean(0.3):
+        b.emit(f"torch.{b.d.choice(('cummax', 'cummin'))}({a.name}, dim={d}).{field}")
+    elif b.d.boolean():
+        k = b.d.integer(1, a.shape[d])
+        b.emit(f"torch.kthvalue({a.name}, {k}, dim={d}, keepdim={keep}).{field}")
+    elif b.d.boolean(0.8):
+        b.emit(f"{a.name}.median(dim={d}, keepdim={keep}).{field}")
+    else:
+        b.emit(f"{a.name}.median()")
+
+
 NEW_OPS = (
     ("argmax", op_argmax, 1), ("topk_sort", op_topk_sort, 1), ("cumsum", op_cumsum, 1), ("gather", op_gather, 1),
     ("one_hot", op_one_hot, 1), ("cross_entropy", op_cross_entropy, 1), ("slice_assign", op_slice_assign, 1),
     ("int_bool", op_int_bool, 1), ("conv1d", op_conv1d, 1), ("copy", op_copy, 1),
+    ("log1p_expm1", op_log1p_expm1, 1), ("prod", op_prod, 1), ("any_all", op_any_all, 1), ("flip", op_flip, 1),
+    ("pad", op_pad, 1), ("order_statistic", op_order_statistic, 1),
 )

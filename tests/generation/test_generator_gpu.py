@@ -28,3 +28,21 @@ def test_decode_steps_replay_cuda_graphs_and_equal_eager():
     assert count("cuda_graphs.replay").value - before["cuda_graphs.replay"] >= 39  # every decode step
     # the host holds no step's outputs (tokens accumulate in a donated device buffer): no cloned output sets
     assert count("cuda_graphs.clone_call.outputs_held").value == before["cuda_graphs.clone_call.outputs_held"]
+
+
+@pytest.mark.gpu
+def test_decode_steps_stage_no_cache_bytes():
+    """The donated KV cache is the decode graph's static buffer: steady decode steps copy none of it."""
+    model = llama_lm(small=True, seed=2, device="cuda:0")
+    gen = Generator(model, spmd.Mesh.create(("tp",), devices="cuda:1"), max_batch=2, max_seq=40, prefill_len=8)
+    prompts = [[5, 17, 3], [11, 2, 9, 4, 1, 1, 7, 8]]
+    gen.generate(prompts, 4)  # compiles; the first call of each program runs eagerly, the second captures
+    staged = spmd.metrics.counter("cuda_graphs.staged.bytes")
+    seen = []
+    res = gen.generate(prompts, 30, progress=lambda _: seen.append(staged.value))
+    tokens, start = gen.pad_prompts(prompts)
+    ref, _ = reference_generate(model, tokens, start, 30, 40)
+    assert torch.equal(res.tokens, ref.cpu())
+    layer_shard_bytes = min(t.nbytes for k, _ in gen.kv for t in k._buffers)
+    steps = [b - a for a, b in zip(seen, seen[1:])]
+    assert steps and all(s < layer_shard_bytes for s in steps[1:]), (steps, layer_shard_bytes)

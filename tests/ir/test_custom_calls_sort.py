@@ -32,11 +32,14 @@ def test_kernels_match_torch():
         _run("sort", x, dim=0, output="both")
 
 
-def test_rules_keep_the_dim_unsharded():
-    for target in ("sort", "topk", "cumsum", "cumprod"):
+def test_rules_keep_the_sorted_dim_unsharded_and_scans_any():
+    for target in ("sort", "topk"):
         assert CUSTOM_CALLS[target].rule == "reduction-last-dims"
         assert CUSTOM_CALLS[target].unsharded_dims({"dim": 1}, 3) == (1,)
         assert CUSTOM_CALLS[target].unsharded_dims({"dim": -1}, 3) == (2,)
+    for target in ("cumsum", "cumprod"):
+        assert CUSTOM_CALLS[target].rule == "scan"
+        assert CUSTOM_CALLS[target].unsharded_dims({"dim": 1}, 3) == ()
 
 
 SORT_IN = """HloModule sort, num_partitions=2, mesh={tp=2}

@@ -1,4 +1,5 @@
-"""Counter-based random numbers (Threefry-2x32-20): known answers, distributions, streams."""
+"""Counter-based random numbers (Threefry-2x32-20 seeds, SplitMix64 values): known answers,
+distributions, streams."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from spmd.ir.custom_calls import CUSTOM_CALLS
-from spmd.ir.random import draw_key, random_bits, threefry2x32, uniform_from_bits
+from spmd.ir.random import draw_key, random_bits, splitmix64, threefry2x32, uniform_from_bits
 
 # Known-answer vectors of Threefry-2x32-20 (Random123's kat_vectors; JAX's threefry tests).
 KAT = [
@@ -71,16 +72,22 @@ def test_values_depend_on_the_global_index_only():
     assert torch.equal(part, full[idx])
 
 
+def test_splitmix64_equals_the_reference_sequence():
+    """Vigna's splitmix64.c seeded with 1234567 (outputs as unsigned 64-bit ints)."""
+    want = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+            16408922859458223821]
+    got = splitmix64(torch.tensor(1234567), torch.arange(5, dtype=torch.int64))
+    assert [v % 2**64 for v in got.tolist()] == want
+
+
 def test_second_word_and_uniform_bits():
     index = torch.arange(10, dtype=torch.int64)
     k = torch.tensor(1), torch.tensor(2)
-    w0 = random_bits(index, *k, stream=0, word=0)
-    w1 = random_bits(index, *k, stream=0, word=1)
-    assert not torch.equal(w0[0], w1[0])
-    assert all(((w >= 0) & (w < 2**32)).all() for w in (*w0, *w1))
-    top = (torch.tensor([0xFFFFFFFF]), torch.tensor([0xFFFFFFFF]))
+    assert not torch.equal(random_bits(index, *k, stream=0, word=0), random_bits(index, *k, stream=0, word=1))
+    top = torch.tensor([-1], dtype=torch.int64)  # all 64 bits set
     assert uniform_from_bits(top, torch.float64).item() == 1 - 2**-53
     assert uniform_from_bits(top, torch.bfloat16).item() == 1 - 2**-8
+    assert uniform_from_bits(torch.tensor([2**62]), torch.float32).item() == 0.25
     with pytest.raises(TypeError, match="dtype"):
         uniform_from_bits(top, torch.int32)
 

@@ -98,8 +98,50 @@ def test_param_fqn_patterns_and_first_match_wins():
 
 def test_heads_unit_needs_head_dim():
     m = nn.Sequential(nn.Linear(8, 16))
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match=r"0: style ColwiseParallel\(unit='heads'\) needs the head size: set a "
+                                         r"head_dim attribute \(or num_heads with hidden_size / embed_dim\) on '0'"):
         plans.resolve_plan(m, TP4, plans.Plan((("0", plans.ColwiseParallel(unit="heads")),)))
+
+
+class _Attention(nn.Module):
+    """A user's attention module: q/k/v/o projections, the head count as an attribute (no head_dim)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, width_attr: str | None = "hidden_size"):
+        super().__init__()
+        self.num_heads = heads
+        if width_attr:
+            setattr(self, width_attr, hidden)
+        hd = hidden // heads
+        self.q_proj, self.o_proj = nn.Linear(hidden, heads * hd), nn.Linear(heads * hd, hidden)
+        self.k_proj, self.v_proj = nn.Linear(hidden, kv_heads * hd), nn.Linear(hidden, kv_heads * hd)
+
+
+HEAD_PLAN = plans.Plan((("{q_proj,k_proj,v_proj}", plans.ColwiseParallel(unit="heads")),
+                        ("o_proj", plans.RowwiseParallel(unit="heads"))))
+
+
+@pytest.mark.parametrize("width_attr", ["hidden_size", "embed_dim", None])
+def test_heads_unit_infers_the_head_size_from_the_head_count(width_attr):
+    m = _Attention(64, 8, 8, width_attr)
+    specs = plans.resolve_plan(m, TP4, HEAD_PLAN)
+    assert specs["q_proj.weight"] == P("tp") and specs["o_proj.weight"] == P(None, "tp")
+    with pytest.raises(ValueError, match=r"8 heads \(dim 0 of q_proj.weight\) are not divisible by mesh axis "
+                                         r"'tp' of size 16"):
+        plans.resolve_plan(m, MeshShape(("tp",), (16,)), HEAD_PLAN)
+
+
+def test_heads_unit_counts_kv_heads_with_the_model_width():
+    """With hidden_size the head size is 64 / 8 = 8, so k_proj [16, 64] has 2 heads: tp=4 is refused."""
+    m = _Attention(64, 8, 2)
+    with pytest.raises(ValueError, match=r"2 heads \(dim 0 of k_proj.weight\)"):
+        plans.resolve_plan(m, TP4, HEAD_PLAN)
+    assert plans.resolve_plan(m, MeshShape(("tp",), (2,)), HEAD_PLAN)["k_proj.weight"] == P("tp")
+
+
+def test_heads_unit_reads_torch_multihead_attention():
+    m = nn.Sequential(nn.MultiheadAttention(32, 4))
+    plan = plans.Plan((("0.out_proj", plans.RowwiseParallel(unit="heads")),))
+    assert plans.resolve_plan(m, TP4, plan)["0.out_proj.weight"] == P(None, "tp")
 
 
 def test_activation_layouts_only_with_sequence_parallel():

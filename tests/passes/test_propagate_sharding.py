@@ -160,3 +160,38 @@ ENTRY %main (x: f32[{m},32], w: f32[32,{n}]) -> f32[{m},{n}] {{
     root = module.entry.root
     want = ((), ("tp",)) if gathered == "x" else (("tp",), ())
     assert root.sharding.dims == want
+
+
+RMS_BF16 = """HloModule rms, num_partitions=2, mesh={tp=2}
+
+ENTRY %main (a: {t}[4,8], b: {t}[8,1]) -> {t}[4,1] {
+  %a = {t}[4,8] parameter(0), sharding={devices=[1,2]<=[2]}
+  %b = {t}[8,1] parameter(1), sharding={devices=[2,1]<=[2]}
+  %v = {t}[4,1] dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %sq = {t}[4,1] multiply(%v, %v)
+  %r = {t}[4,1] rsqrt(%sq)
+  %y = {t}[4,1] multiply(%v, %r)
+  %half = {t}[4,1] convert(%v)
+  ROOT %t = ({t}[4,1], {t}[4,1]) tuple(%y, %half)
+}
+"""
+
+
+@pytest.mark.parametrize("dtype, kept", [("bf16", False), ("f16", False), ("f32", True)])
+def test_a_partial_value_is_multiplied_only_in_32_and_64_bit_types(dtype, kept):
+    """In 16-bit types each device's product would round at the scale of its own term: the
+    multiply takes the all-reduced value; f32 keeps the partial (one all-reduce fewer)."""
+    m = PropagateSharding().run(parse_module(RMS_BF16.replace("{t}", dtype)))
+    text = print_module(m)
+    y = next(line for line in text.splitlines() if "%y = " in line)
+    assert ("partial" in y) == kept, y
+    half = next(line for line in text.splitlines() if "%half = " in line)
+    assert "partial" in half, half  # a convert to the same type is exact
+
+
+def test_a_partial_value_is_not_narrowed_before_its_sum():
+    m = PropagateSharding().run(parse_module(RMS_BF16.replace("{t}", "f32").replace(
+        "%half = f32[4,1] convert", "%half = bf16[4,1] convert").replace("(f32[4,1], f32[4,1])",
+                                                                           "(f32[4,1], bf16[4,1])")))
+    half = next(line for line in print_module(m).splitlines() if "%half = " in line)
+    assert "partial" not in half, half

@@ -345,3 +345,72 @@ def test_along_scatter_numerics(mesh, xs, ius, out_s, kind):
     else:
         ids = _ids((5, 7), V, out_of_range=True)
     check_numerics(m, [torch.randn(5, V), ids, torch.randn(5, 7)])
+
+
+KV_CACHE_SEQ_SHARDED_IN = """\
+HloModule kv, num_partitions=2, mesh={tp=2}
+
+ENTRY %main (cache: f32[2,10,4], k: f32[2,1,4], pos: s64[]) -> f32[2,10,4] {
+  %cache = f32[2,10,4] parameter(0), sharding={devices=[1,2,1]<=[2]}
+  %k = f32[2,1,4] parameter(1), sharding={replicated}
+  %pos = s64[] parameter(2), sharding={replicated}
+  %zero = s64[] constant(0)
+  ROOT %new = f32[2,10,4] dynamic-update-slice(%cache, %k, %zero, %pos, %zero), sharding={devices=[1,2,1]<=[2]}
+}
+"""
+
+
+def test_kv_cache_update_of_a_sequence_sharded_cache_golden():
+    """The shard owning the position writes the row; the others write back what they hold: no collective."""
+    got = print_module(SpmdPartition().run(parse_module(KV_CACHE_SEQ_SHARDED_IN)))
+    assert got.endswith("""\
+  %zero = s64[] constant(0), sharding={replicated}
+  %constant = s64[] constant(0)
+  %constant.1 = s64[] constant(4)
+  %constant.2 = s64[] constant(9)
+  %clamp = s64[] clamp(%constant, %pos, %constant.2)
+  %partition-id = u32[] partition-id()
+  %pid = s32[] convert(%partition-id)
+  %constant.3 = s32[] constant(5)
+  %multiply = s32[] multiply(%pid, %constant.3)
+  %convert = s64[] convert(%multiply)
+  %subtract = s64[] subtract(%clamp, %convert)
+  %compare = pred[] compare(%subtract, %constant), direction=GE
+  %compare.1 = pred[] compare(%subtract, %constant.1), direction=LE
+  %and = pred[] and(%compare, %compare.1)
+  %clamp.1 = s64[] clamp(%constant, %subtract, %constant.1)
+  %dynamic-slice = f32[2,1,4] dynamic-slice(%cache, %zero, %clamp.1, %zero), dynamic_slice_sizes={2,1,4}
+  %broadcast = pred[2,1,4] broadcast(%and), dimensions={}
+  %select = f32[2,1,4] select(%broadcast, %k, %dynamic-slice)
+  ROOT %new = f32[2,5,4] dynamic-update-slice(%cache, %select, %zero, %clamp.1, %zero), \
+sharding={devices=[1,2,1]<=[2]}
+}
+""")
+
+
+@pytest.mark.parametrize("mesh, cs", [("tp2", (None, "tp", None)), ("tp4", (None, "tp", None)),
+                                      ("dp2tp2", ("dp", "tp", None)), ("dp2tp2", (None, ("dp", "tp"), None))])
+def test_dynamic_update_slice_of_a_sharded_dim_numerics(mesh, cs):
+    """One row written at every position of a [2, 10, 4] cache split unevenly, and past the end (clamped)."""
+    for pos in [*range(10), 13, -4]:
+        m, b = new_module("kv", MESHES[mesh])
+        cache = b.param(Shape(F32, (2, 10, 4)), "cache", sharding=_spec(cs))
+        k = b.param(Shape(F32, (2, 1, 4)), "k", sharding=_spec((None, None, None)))
+        zero = b.constant(0, "s64")
+        b.set_root(b.dynamic_update_slice(cache, k, [zero, b.constant(pos, "s64"), zero], name="new"))
+        b.computation.root.sharding = _spec(cs)
+        pm = check_numerics(m, [torch.randn(2, 10, 4), torch.randn(2, 1, 4)])
+        assert collectives(pm) == []
+
+
+@pytest.mark.parametrize("pos", [0, 1])
+def test_dynamic_update_slice_of_one_row_shards_numerics(pos):
+    """Regression (random-program sweep): a [6, 2, 1] value split over 2 devices along dim 1 has shards
+    of one row, as large as the update; the row must still go to the shard that owns it only."""
+    m, b = new_module("one_row", MESHES["tp2"])
+    x = b.param(Shape(F32, (6, 2, 1)), "x", sharding=_spec((None, "tp", None)))
+    u = b.param(Shape(F32, (6, 1, 1)), "u", sharding=_spec((None, None, None)))
+    zero = b.constant(0, "s64")
+    b.set_root(b.dynamic_update_slice(x, u, [zero, b.constant(pos, "s64"), zero], name="new"))
+    b.computation.root.sharding = _spec((None, None, None))
+    check_numerics(m, [torch.randn(6, 2, 1), torch.randn(6, 1, 1)])

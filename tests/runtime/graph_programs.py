@@ -51,3 +51,25 @@ def global_out(compiled, per_device, like: torch.Tensor, j: int = 0) -> torch.Te
 
     arr = ShardedArray._from_buffers(list(per_device), compiled.output_shardings[j], like.shape, like.dtype)
     return arr.to_torch()
+
+
+def decode_step(cache, pos, x, w):
+    """A decode-shaped step: ``cache`` [B, H, S, D] gets ``tanh(x @ w)`` at slot ``pos`` (an
+    index_copy: a dynamic-update-slice at a device position); returns ``(readout [B, H, D],
+    pos + 1, cache)``. Donating ``cache`` and ``pos`` writes outputs 2 and 1 into their buffers."""
+    new = torch.tanh(x @ w)[:, :, None, :]
+    cache = cache.index_copy(2, pos.reshape(1), new)
+    return (cache * x[:, :, None, :]).sum(2), pos + 1, cache
+
+
+DECODE_SHAPES = {"cache": (2, 4, 8, 16), "x": (2, 4, 16), "w": (16, 16)}
+
+
+def compile_decode(devices: str, donate=(0, 1), cuda_graphs=False):
+    """``decode_step`` with the cache and x sharded over heads on ``tp``, pos and w replicated."""
+    mesh = spmd.Mesh.create(("tp",), devices=devices)
+    heads = P(None, "tp")
+    j = spmd.jit(decode_step, mesh=mesh, in_shardings=(heads, P(), heads, P()), out_shardings=(heads, P(), heads),
+                 donate_argnums=donate, options=spmd.CompileOptions(cuda_graphs=cuda_graphs))
+    s = DECODE_SHAPES
+    return j.lower(torch.randn(s["cache"]), torch.tensor(0), torch.randn(s["x"]), torch.randn(s["w"])).compile()

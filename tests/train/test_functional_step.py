@@ -117,6 +117,10 @@ def test_state_sharding_mismatching_its_parameter():
     (dict(optimizer=SGD(), clip_grad_norm="1"), TypeError, "clip_grad_norm must be a number"),
     (dict(optimizer=SGD(), plan={"0.weight": P()}), ValueError, r"unmatched parameter\(s\) \['0.bias'"),
     (dict(optimizer=SGD(), fsdp=True, dp_axis="data"), ValueError, "fsdp: needs dp_axis"),
+    (dict(optimizer=SGD(), plan={"0.weight": P(None, "tp"), "0.bias": P(), "2.weight": P(), "2.bias": P()}), ValueError,
+     r"plan\['0.weight'\]: unknown mesh axis 'tp'"),
+    (dict(optimizer=SGD(), plan={"0.weight": P(), "0.bias": P(None, "dp"), "2.weight": P(), "2.bias": P()}), ValueError,
+     r"plan\['0.bias'\]: P\(None, 'dp'\) has 2 entries but the array has 1 dims"),
 ])
 def test_bad_arguments(kwargs, exc, match):
     kwargs = {"plan": None, **kwargs}
@@ -166,3 +170,17 @@ def test_gradient_of_integer_input_is_a_type_error(how):
     with pytest.raises(TypeError, match=r"gradients requested for a tensor of dtype torch.int64 and shape \(2,\) "
                                         r"at .*test_functional_step.py:\d+"):
         spmd.jit(fn, mesh=Mesh.create(("dp",), devices="cpu:1"))(torch.randn(4), torch.tensor([1, 2]))
+
+
+def test_compiled_gradients_do_not_depend_on_the_callers_grad_mode():
+    """Traced under torch.no_grad() (the compile cache key has no grad mode), autograd.grad still differentiates."""
+    def grads(w, x):
+        w = w.detach().requires_grad_()
+        return torch.autograd.grad(torch.tanh(x @ w).sum(), w)[0]
+
+    w, x = torch.randn(5, 7), torch.randn(3, 5)
+    with torch.no_grad():
+        got = spmd.jit(grads, mesh=Mesh.create(("dp",), devices="cpu:2"))(w, x)
+    with torch.enable_grad():
+        want = grads(w, x)
+    torch.testing.assert_close(got.to_torch(), want)

@@ -146,3 +146,23 @@ def test_collectives_of_data_parallel_and_fsdp():
     assert set(kinds[False]) == {"all-reduce"} and kinds[False]["all-reduce"].count == 5  # 4 gradients + loss
     assert {"all-gather", "reduce-scatter"} <= set(kinds[True])
     assert kinds[True]["all-reduce"].bytes_per_device < 64  # only the scalar loss is all-reduced
+
+
+def test_uneven_batch_and_sequence_with_fsdp_tp_and_sp():
+    """Batch 3 over dp=2 and sequence 6 over tp=2 (with SP), parameters also FSDP-sharded over dp."""
+    _check(Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4"), *_adamw(), plan=gpt_plan(sequence_parallel=True),
+           fsdp=True, batch=3, seq=6)
+
+
+def test_bf16_mixed_precision_tracks_the_float32_run():
+    """bf16 forward/backward with float32 master weights and AdamW state: losses within 2% of float32."""
+    batches = _batches(10, 4, 8)
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    runs = {}
+    for dtype in (None, torch.bfloat16):
+        ts = make_train_step(_model(), mesh, None, _loss_fn, optimizer=AdamW(lr=1e-2, eps=1e-4), compute_dtype=dtype)
+        runs[dtype] = [float(ts.step(b)["loss"]) for b in batches]
+        assert all(v.dtype == torch.float32 for v in ts.state_dict().values())
+    for got, want in zip(runs[torch.bfloat16], runs[None]):
+        assert abs(got - want) <= 0.02 * want, (got, want)
+    assert runs[torch.bfloat16] != runs[None]  # it really computed in bf16

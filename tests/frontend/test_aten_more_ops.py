@@ -1,0 +1,114 @@
+"""log1p/expm1, prod, any/all, flip, F.pad (constant/reflect/replicate/circular), kthvalue, median,
+cummax and cummin through ``spmd.jit`` on CPU meshes, with the
+op's dims sharded (uneven too), against PyTorch eager in float64; ``.item()`` is a user error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import Mesh
+from spmd import PartitionSpec as P
+
+from .helpers import run_imported
+
+MESHES = {
+    "cpu1": (("x",), "cpu:1", {"x": 1}),
+    "cpu2": (("x",), "cpu:2", {"x": 2}),
+    "cpu4": (("x",), "cpu:4", {"x": 4}),
+    "2x2": (("a", "b"), "cpu:4", {"a": 2, "b": 2}),
+}
+
+OPS = {
+    "log1p": lambda t: torch.log1p(t.abs() * 1e-9 + t.abs()),
+    "expm1": lambda t: torch.expm1(t * 1e-3),
+    "prod_dim0": lambda t: (1 + 0.1 * t).prod(0),
+    "prod_dim1_keep": lambda t: (1 + 0.1 * t).prod(1, keepdim=True),
+    "prod_all": lambda t: (1 + 0.1 * t).prod(),
+    "prod_int": lambda t: (t > 0).to(torch.int32).add(1).prod(0),
+    "any_dim": lambda t: (t > 1.0).any(0),
+    "all_dim": lambda t: (t > -1.0).all(1, keepdim=True),
+    "any_all": lambda t: torch.stack([(t > 2.5).any(), (t > -2.5).all()]),
+    "flip0": lambda t: t.flip(0),
+    "flip01": lambda t: torch.flip(t, (-1, 0)) * 2,
+    "pad_const": lambda t: F.pad(t, (1, 2, 3, 0), value=1.5),
+    "pad_crop": lambda t: F.pad(t, (-1, 2)),
+    "pad_reflect": lambda t: F.pad(t[None], (2, 1, 1, 2), mode="reflect")[0],
+    "pad_replicate": lambda t: F.pad(t[None], (0, 3, 2, 1), mode="replicate")[0],
+    "pad_circular": lambda t: F.pad(t[None], (1, 2), mode="circular")[0],
+    "kthvalue": lambda t: t.kthvalue(2, 1).values + t.kthvalue(3, 1).indices,
+    "median_dim": lambda t: t.median(0, keepdim=True).indices * t.median(0, keepdim=True).values,
+    "median_all": lambda t: t.median(),
+    "cummax_cummin": lambda t: t.cummax(1).values + t.cummin(0).indices,
+}
+
+
+def _mesh(name):
+    _, devices, shape = MESHES[name]
+    return Mesh.create(shape, devices=devices)
+
+
+def _specs(name):
+    axes = MESHES[name][0]
+    if len(axes) == 1:
+        return [P(axes[0], None), P(None, axes[0])]
+    return [P("a", "b"), P(("a", "b"), None), P(None, ("b", "a"))]
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("shape", [(8, 12), (7, 5)], ids=["even", "uneven"])
+def test_matches_eager_float64_with_dims_sharded(mesh_name, op, shape):
+    fn = OPS[op]
+    mesh = _mesh(mesh_name)
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    want = fn(x)
+    for spec in _specs(mesh_name):
+        got = spmd.jit(fn, mesh=mesh, in_shardings=(spec,), out_shardings=P()).__call__(x)
+        got = got.to_torch() if hasattr(got, "to_torch") else got
+        assert got.dtype == want.dtype and got.shape == want.shape, (spec, got.dtype, got.shape)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{op} {spec}")
+
+
+def _with_nans(x):
+    x = torch.cat([x, x[:, :3] * 2], 1)
+    x[1, 2] = x[1, 4] = x[2, 0] = float("nan")
+    return x
+
+
+def _distinct_ints():
+    return torch.randperm(24, generator=torch.Generator().manual_seed(1)).reshape(4, 6)
+
+
+def test_dtypes_and_edge_cases_on_one_device():
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    b = x > 0
+    u = (x > 0).to(torch.uint8)
+    cases = [
+        (lambda t: (t.any(1), t.all(0), t.any(), t.all()), b),
+        (lambda t: (t.any(1), t.all()), u),
+        (lambda t: (t.prod(0), t.prod()), (x * 3).to(torch.int64)),
+        (lambda t: (torch.log1p(t), torch.expm1(t)), torch.tensor([1e-12, -1e-9, 0.0, 3.0], dtype=torch.float64)),
+        (lambda t: (t.flip(0), F.pad(t, (0, 0)), F.pad(t, (2, -1, -1, 1), value=-2.0)), x),
+        (lambda t: (t.flip(()), t.prod(), t.any(), t.median(), *t.kthvalue(1)), torch.tensor(1.5, dtype=torch.float64)),
+        (lambda t: (*t.median(1), t.median(), *t.median(0), *t.kthvalue(3, 1)), _with_nans(x)),
+        (lambda t: (*t.median(1), *t.kthvalue(2, 0, keepdim=True)), _distinct_ints()),
+        (lambda t: (*t.cummax(1), *t.cummin(0)), _with_nans(x)),
+        (lambda t: (*t.cummax(1), *t.cummin(-1)), (x * 2).round()),  # ties
+        (lambda t: (*t.cummax(0), *t.cummin(0)), torch.tensor(2.5, dtype=torch.float64)),
+    ]
+    for fn, arg in cases:
+        _, got = run_imported(fn, (arg,))
+        want = fn(arg)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype, g.shape, w.shape)
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+def test_item_inside_a_jitted_function_is_a_helpful_value_error():
+    mesh = Mesh.create({"x": 1}, devices="cpu:1")
+    f = spmd.jit(lambda t: t * t.sum().item(), mesh=mesh)
+    with pytest.raises(ValueError, match=r"reads a tensor's value on the host.*\.item\(\)"):
+        f(torch.randn(3))

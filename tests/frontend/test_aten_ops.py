@@ -1,0 +1,113 @@
+"""aten conversions of reductions and log_softmax in 16-bit floats: bit-identical to PyTorch eager
+(float32 "opmath", rounded once, in PyTorch's order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+from spmd import Mesh
+from spmd import PartitionSpec as P
+
+MESH1 = Mesh.create(("tp",), devices="cpu:1")
+MESH2 = Mesh.create(("tp",), devices="cpu:2")
+
+OPS = {
+    "log_softmax_last": lambda x: torch.log_softmax(x, -1),
+    "log_softmax_mid": lambda x: torch.log_softmax(x, 1),
+    "log_softmax_first": lambda x: torch.log_softmax(x, 0),
+    "softmax": lambda x: torch.softmax(x, -1),
+    "sum": lambda x: x.sum(-1),
+    "mean": lambda x: x.mean(-1),
+    "mean_keepdim": lambda x: x.mean((1, 2), keepdim=True),
+    "var": lambda x: x.var(-1),
+    "var_mean": lambda x: torch.var_mean(x, 1, correction=0),
+    "norm": lambda x: torch.linalg.vector_norm(x, dim=-1),
+    "norm_inf": lambda x: torch.linalg.vector_norm(x, ord=float("inf"), dim=1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", OPS)
+def test_half_precision_reductions_equal_eager_bit_for_bit(name, dtype):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 14, 10, generator=g) * 3).to(dtype)
+    fn = OPS[name]
+    expected = fn(x)
+    # one device, and two devices with a dim that is not reduced split
+    split = P(None, "tp") if name == "log_softmax_first" else P("tp")
+    for mesh, spec in ((MESH1, P()), (MESH2, split)):
+        got = spmd.jit(fn, mesh=mesh, in_shardings=spec)(x)
+        got, want = (got, expected) if isinstance(expected, tuple) else ((got,), (expected,))
+        for a, b in zip(got, want):
+            assert torch.equal(a.to_torch(), b), (mesh, (a.to_torch() != b).sum().item())
+
+
+def test_the_issues_log_softmax_case():
+    """58 of 140 elements differed by one bf16 ulp (-0.248046875 against -0.25)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(14, 10, generator=g) * 3).bfloat16()
+    got = spmd.jit(lambda x: torch.log_softmax(x, -1), mesh=MESH1)(x).to_torch()
+    assert torch.equal(got, torch.log_softmax(x, -1))
+
+
+def _issue_program(x0, x1, x2, x3):
+    """The float64 program of the wrong shape: a vector norm over a size-1 last dim, keepdim=False."""
+    v2 = torch.cat([x2, torch.cat([x0, x1, x0], dim=1).relu()], dim=-2)  # [14,128,4]
+    v3 = v2[:, :, 3:4:3]
+    v5 = 2 * (v3 / (x3.abs() + 0.5))  # x3: [14,1,1]
+    return torch.linalg.vector_norm(v5, dim=-1, keepdim=False)
+
+
+def _issue_args(device: str = "cpu") -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    shapes = [(14, 30, 4), (14, 20, 4), (14, 48, 4), (14, 1, 1)]
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(device) for s in shapes]
+
+
+def test_reductions_take_their_result_shape_from_the_arguments(monkeypatch):
+    """torch 2.11's fake-tensor ``linalg_vector_norm`` over a size-1 dim given as -1 kept that dim
+    ([14,128,1] for [14,128]); here that meta is re-created (``dim`` not canonicalised)."""
+    import torch._refs.linalg as refs
+
+    monkeypatch.setattr(refs.utils, "canonicalize_dims", lambda rank, dims, *a, **k: dims)
+    args = _issue_args()
+    out = spmd.jit(_issue_program, mesh=MESH1)(*args)
+    expected = _issue_program(*args)
+    assert out.shape == expected.shape == (14, 128)
+    torch.testing.assert_close(out.to_torch(), expected)
+    for keepdim in (False, True):
+        fns = [lambda x, k=keepdim: torch.linalg.vector_norm(x, dim=-1, keepdim=k),
+               lambda x, k=keepdim: x.sum((-1, 0), keepdim=k), lambda x, k=keepdim: x.mean(-2, keepdim=k)]
+        x = torch.randn(3, 5, 1, dtype=torch.float64)
+        for fn in fns:
+            got = spmd.jit(fn, mesh=MESH1)(x)
+            assert got.shape == fn(x).shape
+            torch.testing.assert_close(got.to_torch(), fn(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_gpu_vector_norm_over_a_size_1_dim_keeps_its_shape(cuda_graphs):
+    """1-device CUDA mesh: CUDA graphs, views and Inductor-generated fusions run."""
+    mesh = Mesh.create(("tp",), devices="cuda:1")
+    f = spmd.jit(_issue_program, mesh=mesh, options=spmd.CompileOptions(cuda_graphs=cuda_graphs))
+    args = _issue_args("cuda")
+    expected = _issue_program(*args)
+    for _ in range(3):  # the warm-up, the capture, the replays
+        out = f(*args)
+        assert out.shape == (14, 128) and out.to_torch().shape == (14, 128)
+        torch.testing.assert_close(out.to_torch().to("cuda"), expected)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_bf16_sum_over_a_sharded_dim_rounds_once(devices):
+    """The per-device partial sums stay float32 through the all-reduce (PyTorch accumulates a bf16
+    sum in float32 and rounds once); bf16 partials rounded twice missed by several ulps."""
+    mesh = Mesh.create(("tp",), devices=f"cpu:{devices}")
+    g = torch.Generator().manual_seed(devices)
+    x = torch.randn(8, 64, generator=g).bfloat16()
+    for fn in (lambda x: x.sum(), lambda x: x.sum(0), lambda x: x.mean(0)):
+        got = spmd.jit(fn, mesh=mesh, in_shardings=P("tp"))(x).to_torch()
+        assert torch.equal(got, fn(x)), (got.float() - fn(x).float()).abs().max()
