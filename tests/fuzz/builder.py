@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.fuzz.case import InputSpec, prelude
-from tests.fuzz.draw import Draw
+from tests.fuzz.draw import Draw, EmptyRange
 
 MAX_NUMEL = 4096
 MAX_ABS = 1e4
@@ -84,8 +84,11 @@ class Builder:
         return name
 
     def random_shape(self, rank: int | None = None) -> tuple[int, ...]:
-        rank = self.d.choice((2, 3, 1, 4)) if rank is None else rank
-        return tuple(self.d.choice(DIM_SIZES) for _ in range(rank))
+        rank = self.d.choice((2, 3, 1, 4, 0)) if rank is None else rank
+        shape = [self.d.choice(DIM_SIZES) for _ in range(rank)]
+        while shape and math.prod(shape) > MAX_NUMEL // 4:  # leave room: results may grow
+            shape[shape.index(max(shape))] = 2
+        return tuple(shape)
 
     def random_spec(self, shape) -> tuple:
         """A PartitionSpec entry tuple for ``shape`` over the mesh axes: per dim None, an axis or
@@ -153,7 +156,7 @@ class Builder:
         state = (len(self.inputs), len(self.values), len(self.lines), self._n)
         try:
             gen(self)
-        except Reject:
+        except (Reject, EmptyRange):
             ni, nv, nl, nn = state
             del self.inputs[ni:], self.values[nv:], self.lines[nl:]
             self._n = nn
@@ -164,8 +167,6 @@ class Builder:
 
 
 def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (ascending)."""
     return [k for k in range(1, n + 1) if n % k == 0]
 
-
-def numel(shape) -> int:
-    return math.prod(shape)

@@ -67,6 +67,8 @@ class Case:
         and resharded by the call, ``reshard_inputs=True``).
       pre_specs: per argument the sharding an array is first placed with ("reshard"/"auto").
       calls: how many calls (each with fresh inputs) through the same ``Jitted``.
+      packed: inputs passed together in one dict argument ``p`` (a params pytree).
+      threads: the first call is made from this many threads at once (concurrent tracing).
     """
 
     inputs: tuple[InputSpec, ...]
@@ -83,6 +85,23 @@ class Case:
     pre_specs: tuple = ()
     calls: int = 2
     features: frozenset = field(default_factory=frozenset)
+    packed: tuple[str, ...] = ()
+    threads: int = 1
+
+    def structure(self, per_input: list) -> list:
+        """Per-input values (tensors, arrays, specs) as the positional arguments of ``f``: the
+        unpacked inputs in order, then (if any are ``packed``) one dict {name: value} named ``p``."""
+        flat = [v for i, v in zip(self.inputs, per_input) if i.name not in self.packed]
+        if self.packed:
+            flat.append({i.name: v for i, v in zip(self.inputs, per_input) if i.name in self.packed})
+        return flat
+
+    def position(self, k: int) -> int:
+        """The positional argument holding input ``k`` (donate_argnums indices)."""
+        name = self.inputs[k].name
+        if name in self.packed:
+            return len(self.inputs) - len(self.packed)
+        return sum(1 for i in self.inputs[:k] if i.name not in self.packed)
 
     @property
     def num_devices(self) -> int:
@@ -93,9 +112,11 @@ class Case:
 
     def source(self) -> str:
         """The program as Python source (a function ``f``)."""
-        args = ", ".join(i.name for i in self.inputs)
+        args = ", ".join([i.name for i in self.inputs if i.name not in self.packed] + ["p"] * bool(self.packed))
         ret = self.outputs[0] if len(self.outputs) == 1 else "(" + ", ".join(self.outputs) + ",)"
-        return "\n".join([f"def f({args}):", *(f"    {line}" for line in self.body), f"    return {ret}", ""])
+        unpack = [f"{n} = p[{n!r}]" for n in self.packed]
+        return "\n".join([f"def f({args}):", *(f"    {line}" for line in unpack + list(self.body)),
+                          f"    return {ret}", ""])
 
     def function(self, dtype_map: dict[str, torch.dtype] | None = None):
         """``f`` compiled from ``source()``; ``dtype_map`` rebinds F32/F64/BF16/F16 (reference runs)."""
@@ -134,7 +155,7 @@ def prelude() -> dict:
 
 def reproducer(case: Case, note: str = "") -> str:
     """A self-contained Python script that rebuilds ``case``, runs it and compares with eager float64."""
-    in_specs = "(" + "".join(spec_text(s) + ", " for s in case.in_specs) + ")"
+    in_specs = "[" + ", ".join(spec_text(s) for s in case.in_specs) + "]"
     out_specs = "None" if case.out_specs is None else (
         spec_text(case.out_specs[0]) if len(case.outputs) == 1
         else "(" + "".join(spec_text(s) + ", " for s in case.out_specs) + ")")
@@ -145,10 +166,15 @@ def reproducer(case: Case, note: str = "") -> str:
              f"modes = {list(case.arg_modes)!r}",
              f"pre_specs = [{', '.join(spec_text(s) for s in case.pre_specs)}]",
              f"in_specs = {in_specs}",
-             f"g = spmd.jit(f, mesh=mesh, in_shardings=in_specs, out_shardings={out_specs},",
+             f"packed = {list(case.packed)!r}  # inputs passed in one dict argument p",
+             f"g = spmd.jit(f, mesh=mesh, in_shardings=structure(in_specs), out_shardings={out_specs},",
              f"             donate_argnums={case.donate!r}, options={case.options_text()},",
              f"             reshard_inputs={'auto' in case.arg_modes!r})",
              REPRO_TAIL.strip(), ""]
+    if case.threads > 1:
+        at = lines.index(REPRO_TAIL.strip())
+        lines[at:at] = [THREADS.strip().replace("N_THREADS", str(case.threads)), ""]
+    lines.insert(lines.index(f"mesh = {case.mesh_text()}"), STRUCTURE.strip() + "\n\n")
     return "\n".join(lines)
 
 
@@ -156,6 +182,27 @@ def _make_text(i: InputSpec) -> str:
     high = f", high={i.high}" if i.high else ""
     return f"make_input({i.shape!r}, {DTYPE_NAMES[i.dtype]}, {i.seed}{high})"
 
+
+STRUCTURE = '''
+def structure(per_input):
+    """Per-input values as f's positional arguments: unpacked inputs, then the dict p of packed ones."""
+    names = [f"x{k}" for k in range(len(per_input))]
+    flat = [v for n, v in zip(names, per_input) if n not in packed]
+    return flat + ([{n: v for n, v in zip(names, per_input) if n in packed}] if packed else [])
+'''
+
+THREADS = '''
+def threaded_first_call():
+    """The first call from N_THREADS threads at once (concurrent tracing); one thread's result."""
+    import threading
+    results = []
+    def one():
+        results.append(g(*structure([place(t, m, s, p) for t, m, s, p in zip(inputs, modes, in_specs, pre_specs)])))
+    ts = [threading.Thread(target=one) for _ in range(N_THREADS)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    return results[0]
+'''
 
 REPRO_TAIL = '''
 def place(t, mode, spec, pre):
@@ -168,13 +215,13 @@ def place(t, mode, spec, pre):
     return a.reshard(ns(spec)) if mode == "reshard" else a
 
 
-args = [place(t, m, s, p) for t, m, s, p in zip(inputs, modes, in_specs, pre_specs)]
-out = g(*args)
+args = structure([place(t, m, s, p) for t, m, s, p in zip(inputs, modes, in_specs, pre_specs)])
+out = threaded_first_call() if "threaded_first_call" in globals() else g(*args)
 outs = out if isinstance(out, tuple) else (out,)
 f64 = {"F32": F64, "F64": F64, "BF16": F64, "F16": F64}
 g64 = type(f)(f.__code__, {**f.__globals__, **f64})
-refs = g64(*[t.double() if t.is_floating_point() else t for t in inputs])
-eager = f(*inputs)
+refs = g64(*structure([t.double() if t.is_floating_point() else t for t in inputs]))
+eager = f(*structure(inputs))
 refs = refs if isinstance(refs, tuple) else (refs,)
 eager = eager if isinstance(eager, tuple) else (eager,)
 for i, (o, r, e) in enumerate(zip(outs, refs, eager)):

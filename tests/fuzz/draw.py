@@ -19,11 +19,21 @@ from collections.abc import Sequence
 from typing import Any
 
 
+class EmptyRange(ValueError):
+    """``integer(lo, hi)`` with ``hi < lo`` (a generator asked for a dim of a 0-d value, say)."""
+
+
 class Draw:
     """Base class: everything is derived from ``integer(lo, hi)`` (inclusive bounds)."""
 
     def __init__(self) -> None:
         self.choices: list[int] = []
+        self.marks: list[int] = []  # choice indices where a generator unit (an op) starts
+        self.count_at: int | None = None  # choice index of the number of units (see ``mark``)
+
+    def mark(self) -> None:
+        """Note that a unit the shrinker may delete as a whole starts at the next choice."""
+        self.marks.append(len(self.choices))
 
     def _integer(self, lo: int, hi: int) -> int:
         raise NotImplementedError
@@ -31,7 +41,7 @@ class Draw:
     def integer(self, lo: int, hi: int) -> int:
         """An int in ``[lo, hi]`` (both inclusive); shrinks toward ``lo``."""
         if hi < lo:
-            raise ValueError(f"integer: empty range [{lo}, {hi}]")
+            raise EmptyRange(f"integer: empty range [{lo}, {hi}]")
         value = lo if hi == lo else self._integer(lo, hi)
         self.choices.append(value - lo)
         return value
@@ -39,7 +49,7 @@ class Draw:
     def choice(self, options: Sequence[Any]) -> Any:
         """One of ``options``; shrinks toward ``options[0]``."""
         if not options:
-            raise ValueError("choice: no options")
+            raise EmptyRange("choice: no options")
         return options[self.integer(0, len(options) - 1)]
 
     def boolean(self, p: float = 0.5) -> bool:

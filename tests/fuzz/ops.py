@@ -26,10 +26,6 @@ def rand_dim(b: Builder, v: Value) -> int:
     return d - v.rank if b.d.boolean(0.4) else d
 
 
-def _pos(v: Value, d: int) -> int:
-    return d % v.rank
-
-
 # ------------------------------------------------------------------ dots
 
 
@@ -96,10 +92,10 @@ def _broadcast_partner(b: Builder, a: Value) -> str:
     if kind == "scalar":
         return b.d.choice(("0.5", "2.0", "-1.25", "3"))
     if kind == "existing":
-        def ok(v: Value) -> bool:
-            if not v.is_float or v.name == a.name or v.rank > a.rank:
+        def ok(v: Value) -> bool:  # either side may broadcast (x - x.mean(-1, keepdim=True))
+            if not v.is_float or v.name == a.name:
                 return False
-            return all(s in (1, t) for s, t in zip(reversed(v.shape), reversed(a.shape)))
+            return all(s == t or 1 in (s, t) for s, t in zip(reversed(v.shape), reversed(a.shape)))
         return b.pick(ok, "broadcast partner").name
     shape = list(a.shape)
     drop = b.d.integer(0, len(shape)) if b.d.boolean(0.3) else 0
@@ -363,7 +359,10 @@ def op_sdpa(b: Builder) -> None:
             p = b.emit(f"torch.softmax({sc.name}, dim=-1)")
         o = b.emit(f"{p.name} @ {v}")
     else:
-        o = b.emit(f"F.scaled_dot_product_attention({lines_q}, {k}, {v}, is_causal={causal})")
+        extra = f", scale={b.d.choice((0.5, 0.25))}" if b.d.boolean(0.3) else ""
+        if not causal and b.d.boolean(0.3):  # an additive float mask (no row fully masked)
+            extra += f", attn_mask={b.new_input((s, s2), a.dtype)}"
+        o = b.emit(f"F.scaled_dot_product_attention({lines_q}, {k}, {v}, is_causal={causal}{extra})")
     if a.rank == 3 and b.d.boolean(0.7):
         b.emit(f"{o.name}.transpose(1, 2).reshape({a.shape[0]}, {s}, {o.shape[1] * o.shape[-1]})")
 

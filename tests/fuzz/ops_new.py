@@ -69,6 +69,8 @@ def op_gather(b: Builder) -> None:
             b.emit(f"torch.scatter_add({a.name}, {d}, {idx}, {src})")
         return
     m = b.d.choice((3, 1, 5))
+    if kind == "index_put":
+        d = 0  # index_put((idx,), ...) indexes dim 0
     idx = b.new_input((m,), torch.int64, high=a.shape[d])
     if kind == "index_select":
         b.emit(f"torch.index_select({a.name}, {d}, {idx})")
@@ -104,6 +106,37 @@ def op_slice_assign(b: Builder) -> None:
     src = b.new_input(shape, a.dtype) if b.d.boolean(0.7) else "1.5"
     index = ":, " * d + f"{start}:{stop}"
     b.emit(None, stmts=("{name} = " + f"{a.name}.clone()", "{name}" + f"[{index}] = {src}"))
+
+
+def op_int_bool(b: Builder) -> None:
+    """Integer floor-divide of an index tensor (into an embedding) or a bool xor mask (into a where)."""
+    if b.d.boolean():
+        vocab = b.d.choice((8, 16))
+        idx = b.new_input(b.random_shape(b.d.choice((1, 2))), torch.int64, high=2 * vocab)
+        table = b.new_input((vocab, b.d.choice((4, 6))), b.d.choice((torch.float32, torch.bfloat16)))
+        b.emit(f"F.embedding({idx} // 2, {table})")
+        return
+    a = b.pick_float()
+    m1, m2 = b.new_input(a.shape, a.dtype), b.new_input(a.shape, a.dtype)
+    b.emit(f"torch.where(({m1} > 0) ^ ({m2} < 0.5), {a.name}, -{a.name})")
+
+
+def op_conv1d(b: Builder) -> None:
+    a = b.pick_float(min_rank=3, max_rank=3)
+    n, c, length = a.shape
+    k = b.d.integer(1, min(3, length))
+    w = b.new_input((b.d.choice((4, 2, 6)), c, k), a.dtype)
+    pad = b.d.integer(0, k - 1)
+    b.emit(f"F.conv1d({a.name}, {w}, padding={pad})")
+
+
+def op_copy(b: Builder) -> None:
+    """``copy_`` into a slice of a clone (an in-place update the program then returns)."""
+    a = b.pick(lambda v: v.rank >= 1 and v.is_float, "copy target")
+    n = a.shape[-1]
+    start = b.d.integer(0, n - 1)
+    src = b.new_input((*a.shape[:-1], n - start), a.dtype)
+    b.emit(None, stmts=("{name} = " + f"{a.name}.clone()", "{name}" + f"[..., {start}:].copy_({src})"))
 
 
 def op_log1p_expm1(b: Builder) -> None:
@@ -169,6 +202,7 @@ def op_order_statistic(b: Builder) -> None:
 NEW_OPS = (
     ("argmax", op_argmax, 1), ("topk_sort", op_topk_sort, 1), ("cumsum", op_cumsum, 1), ("gather", op_gather, 1),
     ("one_hot", op_one_hot, 1), ("cross_entropy", op_cross_entropy, 1), ("slice_assign", op_slice_assign, 1),
+    ("int_bool", op_int_bool, 1), ("conv1d", op_conv1d, 1), ("copy", op_copy, 1),
     ("log1p_expm1", op_log1p_expm1, 1), ("prod", op_prod, 1), ("any_all", op_any_all, 1), ("flip", op_flip, 1),
     ("pad", op_pad, 1), ("order_statistic", op_order_statistic, 1),
 )

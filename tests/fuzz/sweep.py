@@ -5,7 +5,8 @@ rebuilt by ``--only i``), classifies each (``tests.fuzz.oracle``), and writes a 
 counts per class (with and without donation), the distinct failure signatures with a reproducer of
 the first (optionally shrunk, ``--shrink``) case of each, and the spread of error/tolerance ratios
 of the matches. Needs only torch (hypothesis is not used). ``--device cuda`` runs on a mesh of
-``--cuda-devices`` GPUs (default 1).
+``--cuda-devices`` GPUs (default 1). ``SPMD_FUSION_COMPILER=inductor`` in the environment runs the
+fusions as Inductor-generated kernels on CPU too (the code path CUDA graphs use on GPUs).
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ import warnings
 
 from tests.fuzz.case import reproducer
 from tests.fuzz.draw import RandomDraw
-from tests.fuzz.generate import ALL_FEATURES, default_features, generate_case
+from tests.fuzz.generate import ALL_FEATURES, default_features, generate_case, op_kinds
 from tests.fuzz.oracle import Outcome, run_case
 
-FAILING = ("crash", "wrong", "timeout")
+FAILING = ("crash", "wrong", "timeout", "invalid")
 
 
 def make_case(args, i: int, draw=None):
     draw = draw or RandomDraw(f"{args.seed}:{i}")
     return draw, generate_case(draw, args.seed * 1_000_000 + i, device=args.device, features=args.features,
-                               max_ops=args.max_ops, cuda_devices=args.cuda_devices)
+                               max_ops=args.max_ops, cuda_devices=args.cuda_devices, exclude_ops=args.exclude_ops)
 
 
 class _Timeout(Exception):
@@ -85,7 +86,7 @@ def sweep(args) -> dict:
         if n % 200 == 0:
             spmd_jit._GLOBAL_CACHE.clear()  # bound memory over long sweeps
         over = args.budget_s and time.monotonic() - start > args.budget_s
-        if n % 25 == 0 or n == args.n or over:
+        if n % 5 == 0 or n == args.n or over:
             report = _report(args, counts, by_donation, sigs, ops, ratios, n, time.monotonic() - start)
             if args.out:
                 with open(args.out, "w") as fh:
@@ -104,7 +105,7 @@ def shrink_case(args, draw, case, out):
 
     def make(d):
         return generate_case(d, seed, device=args.device, features=args.features, max_ops=args.max_ops,
-                             cuda_devices=args.cuda_devices)
+                             cuda_devices=args.cuda_devices, exclude_ops=args.exclude_ops)
 
     return shrink(draw.choices, make, lambda c: run_with_timeout(c, args.timeout_s), out.signature,
                   budget_s=args.shrink_s)
@@ -215,7 +216,7 @@ def summary(report: dict) -> str:
     lines = [f"{report['programs']} programs, seed {report['seed']}, device {report['device']}, "
              f"{report['elapsed_s']} s"]
     total = max(1, report["programs"])
-    for cls in ("match", "unsupported", "crash", "wrong", "timeout"):
+    for cls in ("match", "unsupported", "crash", "wrong", "timeout", "invalid"):
         k = report["counts"].get(cls, 0)
         lines.append(f"  {cls:<12} {k:>7}  {100 * k / total:5.1f}%")
     for key, k in sorted(report["counts_by_donation"].items()):
@@ -234,13 +235,15 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start", type=int, default=0, help="index of the first program")
     p.add_argument("--only", type=int, default=None, help="run program INDEX alone and print its reproducer")
-    p.add_argument("--out", default=None, help="JSON report path (rewritten every 25 programs)")
+    p.add_argument("--out", default=None, help="JSON report path (rewritten every 5 programs)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--cuda-devices", type=int, default=1)
     p.add_argument("--max-ops", type=int, default=12)
-    p.add_argument("--timeout-s", type=int, default=300, help="per-program time limit (0 = none)")
+    p.add_argument("--timeout-s", type=int, default=120, help="per-program time limit (0 = none)")
     p.add_argument("--without", default="", help="comma-separated features to leave out "
                    f"(of {', '.join(sorted(ALL_FEATURES))})")
+    p.add_argument("--exclude-ops", default="", help="comma-separated op kinds never to draw (of "
+                   f"{', '.join(op_kinds())})")
     p.add_argument("--shrink", action="store_true", help="shrink the first case of every failure signature")
     p.add_argument("--shrink-s", type=float, default=120.0, help="time budget per shrink")
     p.add_argument("--progress", action="store_true")
@@ -253,12 +256,23 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--without: unknown features {sorted(unknown)}")
     args.features = default_features() - set(args.without.split(","))
+    args.exclude_ops = frozenset(filter(None, args.exclude_ops.split(",")))
+    if args.exclude_ops - set(op_kinds()):
+        p.error(f"--exclude-ops: unknown op kinds {sorted(args.exclude_ops - set(op_kinds()))}")
     return args
 
 
 def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if present < args.cuda_devices:
+            print(f"tests.fuzz.sweep: --device cuda needs {args.cuda_devices} CUDA GPU(s), found {present}",
+                  file=sys.stderr)
+            return 2
     if args.only is not None:
         draw, case = make_case(args, args.only)
         out = run_with_timeout(case, args.timeout_s)
