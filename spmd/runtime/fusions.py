@@ -142,7 +142,12 @@ def _owned(ops, producer, slot: int) -> bool:
 
 
 def _direct_mm(prod) -> Callable | None:
-    """``(operands, out) -> out`` on torch.mm / torch.addmm writing into a strided 2-d ``out``, or None."""
+    """``(operands, out) -> out`` on torch.mm / torch.addmm writing into a strided 2-d ``out``, or None.
+
+    None unless the product is 2-d: a linear layer on ``[B, S, D]`` activations (an ``a`` of rank
+    > 2, flattened by ``make_addmm``) cannot write into a rectangle of a higher-rank buffer."""
+    if prod.inst.shape.rank != 2:
+        return None
     if "mm" in prod.extra:
         batched, trans = prod.extra["mm"]
         return None if batched else make_addmm(False, trans)

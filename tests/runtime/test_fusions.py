@@ -76,3 +76,25 @@ def test_make_dot_into_slice_addmm_into_columns(fresh):
     if not fresh:
         torch.testing.assert_close(got[:, :4], buf[:, :4])
         torch.testing.assert_close(got[:, 7:], buf[:, 7:])
+
+
+def test_linear_on_rank4_activations_into_a_sharded_result():
+    """A linear layer on 4-d activations whose product a windowed-einsum ring writes into its
+    accumulator (dot -> dynamic-update-slice): the fused write runs the generic dot kernel, as
+    torch.mm needs a 2-d ``a`` (found by the random tester)."""
+    mesh = Mesh.create({"x": 3}, devices="cpu:3")
+
+    def f(x0, x1, x2):
+        v0 = torch.linalg.vector_norm(x0, dim=(0, 2), keepdim=True)
+        v1 = spmd.with_sharding_constraint(v0, P(None, "x"))
+        v2 = torch.nn.functional.linear(v1, x1, x2)
+        return (1 + 0.25 * v2.tanh()).prod(dim=0, keepdim=True), v2.to(torch.bfloat16)
+
+    xs = [torch.randn(2, 12, 4, 2, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64),
+          torch.randn(16, dtype=torch.float64)]
+    g = spmd.jit(f, mesh=mesh, in_shardings=(P("x", None, None, None), P("x"), P("x")),
+                 out_shardings=(P("x"), P("x", None)),
+                 options=spmd.CompileOptions(windowed_einsum="on", num_compute_streams=3, merge_dots=False))
+    for got, want in zip(g(*xs), f(*xs), strict=True):
+        tol = 1e-12 if want.dtype == torch.float64 else 1e-2
+        torch.testing.assert_close(got.to_torch(), want, rtol=tol, atol=tol)
