@@ -2,6 +2,8 @@
 optimizer state are the step graph's static buffers, updated in place; nothing but the batch is
 staged in the steady state, and the losses and parameters still equal PyTorch eager."""
 
+import importlib
+
 import pytest
 from test_step import _adamw, _check
 
@@ -20,6 +22,9 @@ def test_train_step_updates_params_and_state_in_place(monkeypatch, n):
         return runners[-1]
 
     monkeypatch.setattr(graphs, "maybe_graph", host_graph)
+    # an equal step compiled by an earlier test would come from the process-wide cache, built
+    # without this backend: start from an empty cache
+    monkeypatch.setattr(importlib.import_module("spmd.jit"), "_GLOBAL_CACHE", {})
     staged, seen, real_step = metrics.counter("cuda_graphs.staged.copies"), [], TrainStep.step
 
     def counting(self, batch):
