@@ -38,10 +38,12 @@ register(aten.expm1.default)(_unary("exponential-minus-one"))
 # --------------------------------------------------------------------------- reductions
 @register(aten.prod.default, aten.prod.dim_int)
 def _prod(em: Emitter, a: dict, val) -> Instruction:
-    """``x.prod()`` / ``x.prod(dim, keepdim)`` in the result dtype PyTorch picks (ints -> int64)."""
+    """``x.prod()`` / ``x.prod(dim, keepdim)`` in the result dtype PyTorch picks (ints -> int64); a
+    16-bit float product accumulates in float32 and rounds once, as PyTorch's kernels do."""
     x = em.convert(a["self"], out_dtype(val))
     dims = norm_dims(a.get("dim"), x.shape.rank)
-    return em.reshape(em.reduce(x, dims, "multiply"), out_dims(val))
+    wide = em.convert(x, "f32") if x.shape.dtype in ("f16", "bf16") else x
+    return em.reshape(em.convert(em.reduce(wide, dims, "multiply"), x.shape.dtype), out_dims(val))
 
 
 def _bool_reduce(kind: str):
