@@ -358,6 +358,11 @@ def main(argv=None) -> int:
                 records.append(run_row(row, args, device, limits, log))
         except Exception as exc:
             log(f"{row.name}: failed: {type(exc).__name__}: {exc}")
+            continue
+        r = records[-1]  # one line and the JSON per row, so that a run cut short keeps what it measured
+        log(f"{row.name}: " + ", ".join(f"{k} {reporting.fmt_ms(v)} ms" for k, v in r["ms"].items()))
+        reporting.write_json(Path(args.out) / "one_gpu_results.json",
+                             {"info": info, "args": vars(args), "limits": limits, "records": records, "partial": True})
     variants = [v for v in args.variants if any(r["ms"].get(v) is not None for r in records)]
     headers, body = table(records, variants)
     title = "one GPU: ms per call (interleaved rounds, median)" + (" — small dry run" if args.small else "")
