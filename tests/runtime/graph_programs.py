@@ -73,3 +73,23 @@ def compile_decode(devices: str, donate=(0, 1), cuda_graphs=False):
                  donate_argnums=donate, options=spmd.CompileOptions(cuda_graphs=cuda_graphs))
     s = DECODE_SHAPES
     return j.lower(torch.randn(s["cache"]), torch.tensor(0), torch.randn(s["x"]), torch.randn(s["w"])).compile()
+
+
+def counter(name: str) -> int:
+    """The value of the ``spmd.metrics`` counter ``name`` (0 when it was never bumped)."""
+    from spmd import metrics
+
+    return metrics.snapshot()["counters"].get(name, 0)
+
+
+def under_graph_runner(compiled, backend=None, **opts):
+    """``(Compiled, GraphRunner)``: ``compiled``'s executable under a ``GraphRunner`` with
+    ``GraphOptions(**opts)`` (``backend``: e.g. ``HostReplayBackend`` on CPU; None = CUDA)."""
+    from spmd.compiled import Compiled
+    from spmd.runtime.graphs import GraphOptions, GraphRunner
+
+    ex = unwrap(compiled.executable)
+    runner = GraphRunner(ex, GraphOptions(**opts), **({} if backend is None else {"backend": backend(ex)}))
+    c = Compiled(compiled.lowered, runner, compiled.output_shardings, [s for _, s, _ in compiled._outputs],
+                 [d for _, _, d in compiled._outputs], compiled.buffers)
+    return c, runner

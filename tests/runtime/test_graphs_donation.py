@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_programs import DECODE_SHAPES, compile_decode, decode_step, unwrap
+from graph_programs import DECODE_SHAPES, compile_decode, counter, decode_step, under_graph_runner, unwrap
 
 import spmd
 from spmd import metrics
 from spmd.array import DeletedArrayError, ShardedArray
 from spmd.compiled import Compiled
 from spmd.runtime import graphs
-from spmd.runtime.graphs import GraphOptions, GraphRunner, HostReplayBackend
+from spmd.runtime.graphs import GraphRunner, HostReplayBackend
 from spmd.runtime.graphs_donation import aliased_outputs
 
 STEPS = 7
@@ -31,7 +31,7 @@ def _fresh_metrics():
 
 
 def _counter(name: str) -> int:
-    return metrics.snapshot()["counters"].get(name, 0)
+    return counter(name)
 
 
 @pytest.fixture(scope="module", params=["cpu:1", "cpu:2"])
@@ -40,12 +40,7 @@ def decode_prog(request):
 
 
 def _graph(compiled, **opts) -> tuple[Compiled, GraphRunner]:
-    """``compiled`` whose executable is a ``GraphRunner`` on the host backend."""
-    ex = unwrap(compiled.executable)
-    runner = GraphRunner(ex, GraphOptions(**opts), backend=HostReplayBackend(ex))
-    c = Compiled(compiled.lowered, runner, compiled.output_shardings, [s for _, s, _ in compiled._outputs],
-                 [d for _, _, d in compiled._outputs], compiled.buffers)
-    return c, runner
+    return under_graph_runner(compiled, HostReplayBackend, **opts)
 
 
 def _inputs(compiled, seed: int):

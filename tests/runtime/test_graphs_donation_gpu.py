@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_programs import DECODE_SHAPES, compile_decode, decode_step, unwrap
+from graph_programs import DECODE_SHAPES, compile_decode, counter, decode_step, under_graph_runner
 
 import spmd
 from spmd import metrics
 from spmd.array import DeletedArrayError
 from spmd.compiled import Compiled
-from spmd.runtime.graphs import GraphOptions, GraphRunner
+from spmd.runtime.graphs import GraphRunner
 
 STEPS = DECODE_SHAPES["cache"][2]  # positions 0 .. max_seq - 1 (index_copy needs them in range)
 
@@ -30,15 +30,11 @@ def _fresh_metrics():
 
 
 def _counter(name: str) -> int:
-    return metrics.snapshot()["counters"].get(name, 0)
+    return counter(name)
 
 
 def _graph(compiled, **opts) -> tuple[Compiled, GraphRunner]:
-    ex = unwrap(compiled.executable)
-    runner = GraphRunner(ex, GraphOptions(**opts))
-    c = Compiled(compiled.lowered, runner, compiled.output_shardings, [s for _, s, _ in compiled._outputs],
-                 [d for _, _, d in compiled._outputs], compiled.buffers)
-    return c, runner
+    return under_graph_runner(compiled, None, **opts)
 
 
 def _inputs(compiled, seed: int):
