@@ -367,3 +367,15 @@ class Module:
             if cand not in used:
                 return cand
         raise AssertionError("unreachable")
+
+
+def ancestor_ids(roots: list[Instruction]) -> set[int]:
+    """``id()`` of every instruction ``roots`` depend on, the roots included (operands, transitively)."""
+    out: set[int] = set()
+    stack = list(roots)
+    while stack:
+        cur = stack.pop()
+        if id(cur) not in out:
+            out.add(id(cur))
+            stack.extend(cur.operands)
+    return out

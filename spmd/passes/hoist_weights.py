@@ -55,7 +55,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from spmd.ir.builder import clone_module
-from spmd.ir.hlo import ASYNC_DONE_OPCODES, ASYNC_START_OPCODES, COLLECTIVE_OPCODES, Instruction, Module, Shape
+from spmd.ir.hlo import (
+    ASYNC_DONE_OPCODES,
+    ASYNC_START_OPCODES,
+    COLLECTIVE_OPCODES,
+    Instruction,
+    Module,
+    Shape,
+    ancestor_ids,
+)
 
 VIEW_OPCODES = frozenset({"reshape", "transpose", "broadcast", "slice"})
 NEVER_HOISTED = (frozenset({"parameter", "tuple", "get-tuple-element", "fusion"})
@@ -164,20 +172,10 @@ def _pays(inst: Instruction, kinds: dict[Instruction, str]) -> bool:
     return False
 
 
-def _ancestors(roots: list[Instruction]) -> set[int]:
-    out: set[int] = set()
-    stack = list(roots)
-    while stack:
-        cur = stack.pop()
-        if id(cur) not in out:
-            out.add(id(cur))
-            stack.extend(cur.operands)
-    return out
-
 
 def _prologue(module: Module, hoisted: list[Instruction]) -> Module:
     """A module computing ``hoisted`` from the entry's parameters (root: a tuple of them)."""
-    needed = _ancestors(hoisted)
+    needed = ancestor_ids(hoisted)
     names = {inst.name for inst in module.entry.instructions if id(inst) in needed or inst.opcode == "parameter"}
     pro = clone_module(module)
     pro.name = f"{module.name}.prologue"

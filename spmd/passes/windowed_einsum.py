@@ -53,7 +53,7 @@ from typing import ClassVar
 import torch
 
 from spmd.ir.builder import NameSet
-from spmd.ir.hlo import Computation, Instruction, Module, Shape
+from spmd.ir.hlo import Computation, Instruction, Module, Shape, ancestor_ids
 from spmd.passes.cost_model import H200_NVLINK, GemmShape, MachineProfile, decide
 
 _MODES = ("auto", "on", "off")
@@ -149,16 +149,6 @@ def _contract_numel(dot: Instruction) -> int:
         k *= dot.operands[0].shape.dims[d]
     return k
 
-
-def _ancestors(inst: Instruction) -> set[int]:
-    seen: set[int] = set()
-    stack = [inst]
-    while stack:
-        i = stack.pop()
-        if id(i) not in seen:
-            seen.add(id(i))
-            stack.extend(i.operands)
-    return seen
 
 
 @dataclass(frozen=True)
@@ -276,7 +266,7 @@ def _match_ag(ag: Instruction, users, comp: Computation, n: int) -> _AgSite | No
         uses.append(_Use(dot, side, o, pair[1 - side]))
     if len(uses) > 1:
         dots = {id(u.dot) for u in uses}
-        if any(dots & (_ancestors(u.dot.operands[1 - u.side]) - {id(u.dot)}) for u in uses):
+        if any(dots & (ancestor_ids([u.dot.operands[1 - u.side]]) - {id(u.dot)}) for u in uses):
             return None  # one consumer feeds another: one shared ring would be a cycle
     return _AgSite(ag, groups, dim, tuple(uses))
 
