@@ -77,18 +77,23 @@ class SymmetricOneShot:
         self._bufs: dict[tuple, tuple[Tensor, str]] = {}
         wanted = [s for s in specs if eligible(s)]
         self.reason = symm_mem_supported(device) if wanted else "no one-shot all-reduce"
-        if self.reason:
-            return
+        if wanted and not self.reason:
+            self._set_up(wanted, groups, device)
+        if wanted and self.reason:
+            warnings.warn(f"one-shot all-reduces run as process-group all-reduces: {self.reason}", stacklevel=2)
+
+    def _set_up(self, wanted: Sequence[CollectiveSpec], groups: Mapping[tuple[int, ...], Any],
+                device: torch.device) -> None:
+        """Allocate and rendezvous one symmetric buffer per (group, shape, dtype); on failure set ``reason``."""
         import torch.distributed._symmetric_memory as symm_mem
 
         try:
             for spec in wanted:
-                group = next(g for g in spec.groups if pid in g)
+                group = next(g for g in spec.groups if self.pid in g)
                 key = (tuple(sorted(group)), tuple(spec.out_dims), spec.dtype)
                 if key in self._bufs:
                     continue
-                pg = groups[key[0]]
-                name = pg.group_name
+                name = groups[key[0]].group_name
                 if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before PyTorch 2.9
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", FutureWarning)
@@ -99,8 +104,6 @@ class SymmetricOneShot:
         except Exception as e:  # noqa: BLE001 -- any failure of the optional fast path falls back to NCCL
             self._bufs.clear()
             self.reason = f"symmetric-memory set-up failed: {type(e).__name__}: {e}"
-        if self.reason:
-            warnings.warn(f"one-shot all-reduces run as process-group all-reduces: {self.reason}", stacklevel=2)
 
     def run(self, spec: CollectiveSpec, x: Tensor) -> Tensor | None:
         """The all-reduced ``x`` (fresh), or None when ``spec`` has no symmetric buffer (fall back).
