@@ -11,7 +11,8 @@ each with an execution stream id; async collectives as start/done; WaitForStream
   ``spmd.passes.folding`` (shared with assign-buffers and the view analysis). On GPU, offset
   operands of dynamic-slice / dynamic-update-slice read a host copy, so the kernels never sync.
 - ``async-start`` inlines its ``calls`` computation as thunks on the async-start's stream.
-- collectives and their ``*-start`` forms become ``CollectiveThunk``s.
+- collectives and their ``*-start`` forms become ``CollectiveThunk``s; an all-reduce's algorithm
+  ("one-shot" or "ring", ``spmd.passes.select_all_reduce``) goes into its ``CollectiveSpec``.
 - every other instruction becomes a ``KernelThunk`` from ``kernels.compile_kernel``, writing
   into its arena view when a ``BufferAssignment`` places it.
 - instructions that ``spmd.passes.views`` decides are views (reshape, transpose, broadcast,

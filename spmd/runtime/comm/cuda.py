@@ -223,8 +223,9 @@ class CudaCommunicator:
         ``p2p_max_bytes`` per device (the ``SPMD_P2P_ALL_REDUCE_MAX_BYTES`` override)."""
         if is_one_shot(spec):
             return True
-        nbytes = math.prod(spec.out_dims) * torch.empty((), dtype=spec.dtype).element_size()
-        return spec.reduce_op == "add" and 0 < nbytes <= self.p2p_max_bytes
+        if not self.p2p_max_bytes or spec.reduce_op != "add":
+            return False
+        return 0 < math.prod(spec.out_dims) * spec.dtype.itemsize <= self.p2p_max_bytes
 
     def _p2p_all_reduce(self, spec: CollectiveSpec, x: list[Tensor], streams: Sequence[Any],
                         stream_id: int) -> list[Tensor]:

@@ -4,7 +4,8 @@ Each process drives ``pids`` (its partitions, ordered by (rank, local device)). 
 collective:
 
 - replica groups whose members are all local run on the local communicator (the virtual-CPU or
-  CUDA peer-copy/NCCL paths), with partition ids renumbered to local indices;
+  CUDA peer-copy/NCCL paths, one-shot all-reduces included), with partition ids renumbered to
+  local indices; groups spanning processes run every all-reduce as below, one-shot or not;
 - groups spanning processes are bucketed by the set of processes they touch (groups of one bucket
   run as one stacked ``torch.distributed`` call). all-reduce / reduce-scatter in ``gather`` mode
   (the default on the CPU, see ``reduce_mode``) all-gather the operands and add them in group
