@@ -85,41 +85,53 @@ class SymmetricOneShot:
     def _set_up(self, wanted: Sequence[CollectiveSpec], groups: Mapping[tuple[int, ...], Any],
                 device: torch.device) -> None:
         """Allocate and rendezvous one symmetric buffer per (group, shape, dtype); on failure set ``reason``."""
-        import torch.distributed._symmetric_memory as symm_mem
-
         try:
             for spec in wanted:
                 group = next(g for g in spec.groups if self.pid in g)
                 key = (tuple(sorted(group)), tuple(spec.out_dims), spec.dtype)
-                if key in self._bufs:
-                    continue
-                name = groups[key[0]].group_name
-                if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before PyTorch 2.9
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", FutureWarning)
-                        symm_mem.enable_symm_mem_for_group(name)
-                buf = symm_mem.empty(*spec.out_dims, dtype=spec.dtype, device=device)
-                symm_mem.rendezvous(buf, name)
-                self._bufs[key] = (buf, name)
+                if key not in self._bufs:
+                    name = groups[key[0]].group_name
+                    self._bufs[key] = (symmetric_buffer(spec.out_dims, spec.dtype, device, name), name)
         except Exception as e:  # noqa: BLE001 -- any failure of the optional fast path falls back to NCCL
             self._bufs.clear()
             self.reason = f"symmetric-memory set-up failed: {type(e).__name__}: {e}"
 
     def run(self, spec: CollectiveSpec, x: Tensor) -> Tensor | None:
-        """The all-reduced ``x`` (fresh), or None when ``spec`` has no symmetric buffer (fall back).
-
-        ``one_shot_all_reduce_copy_out`` (PyTorch >= 2.8) copies ``x`` into the symmetric buffer
-        inside the kernel; older versions copy first, then reduce the buffer.
-        """
+        """The all-reduced ``x`` (fresh), or None when ``spec`` has no symmetric buffer (fall back)."""
         group = next((g for g in spec.groups if self.pid in g), ())
         entry = self._bufs.get((tuple(sorted(group)), tuple(spec.out_dims), spec.dtype))
         if entry is None:
             return None
-        buf, name = entry
-        ops = torch.ops.symm_mem
-        if hasattr(ops, "one_shot_all_reduce_copy_out"):
-            out = torch.empty(spec.out_dims, dtype=spec.dtype, device=buf.device)
-            ops.one_shot_all_reduce_copy_out(buf, x, "sum", name, out)
-            return out
-        buf.copy_(x)
-        return ops.one_shot_all_reduce(buf, "sum", name)
+        return one_shot_sum(*entry, x)
+
+
+def symmetric_buffer(dims: Sequence[int], dtype: torch.dtype, device: torch.device, group_name: str) -> Tensor:
+    """A ``dims`` / ``dtype`` symmetric-memory tensor on ``device``, rendezvoused over ``group_name``.
+
+    Collective: every rank of the group must call it in the same order. Raises what PyTorch raises.
+    """
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before PyTorch 2.9, deprecated after
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+    buf = symm_mem.empty(*dims, dtype=dtype, device=device)
+    symm_mem.rendezvous(buf, group_name)
+    return buf
+
+
+def one_shot_sum(buf: Tensor, group_name: str, x: Tensor) -> Tensor:
+    """Sum of ``x`` over the ranks of ``group_name`` through the symmetric buffer ``buf`` (same shape and
+    dtype as ``x``), a fresh tensor; the same bits on every rank.
+
+    ``one_shot_all_reduce_copy_out`` (recent PyTorch) copies ``x`` into ``buf`` inside the kernel;
+    older versions copy first, then reduce ``buf``.
+    """
+    ops = torch.ops.symm_mem
+    if hasattr(ops, "one_shot_all_reduce_copy_out"):
+        out = torch.empty(x.shape, dtype=x.dtype, device=buf.device)
+        ops.one_shot_all_reduce_copy_out(buf, x, "sum", group_name, out)
+        return out
+    buf.copy_(x)
+    return ops.one_shot_all_reduce(buf, "sum", group_name)
