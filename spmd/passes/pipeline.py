@@ -179,8 +179,8 @@ class PipelineResult:
     prologue_inputs: tuple[int, ...] = ()
 
 
-def build_passes(options: CompileOptions) -> list:
-    """The pass objects for ``options``, in run order."""
+def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> list:
+    """The pass objects for ``options``, in run order (``process_ids``: the mesh's, for select-all-reduce)."""
     from spmd.passes.assign_streams import AssignStreams
     from spmd.passes.cse import CSE
     from spmd.passes.fuse_attention import FuseAttention
@@ -213,15 +213,15 @@ def build_passes(options: CompileOptions) -> list:
         SplitBatch(mode=options.split_batch_overlap),
         FuseElementwise(enabled=options.fuse_elementwise),
         SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
-                        cuda_graphs=options.cuda_graphs is not False),
+                        process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),
         Schedule(),
     ]
 
 
 def run_pipeline(module: Module, options: CompileOptions, passes: list | None = None,
-                 weights: frozenset[int] = frozenset()) -> PipelineResult:
-    """Run ``passes`` (default: ``build_passes(options)``) over ``module``.
+                 weights: frozenset[int] = frozenset(), process_ids: tuple[int, ...] = ()) -> PipelineResult:
+    """Run ``passes`` (default: ``build_passes(options, process_ids)``) over ``module``.
 
     ``weights``: parameter numbers of weights (not donated) the hoist-weights pass may hoist
     values of (its own ``weights`` field is used when this is empty).
@@ -230,7 +230,7 @@ def run_pipeline(module: Module, options: CompileOptions, passes: list | None = 
       spmd.ir.verify.VerifyError: when verification is on and a pass produced
         an invalid module (the message names the pass).
     """
-    passes = build_passes(options) if passes is None else passes
+    passes = build_passes(options, process_ids) if passes is None else passes
     result = PipelineResult(module)
     verify = options.verify_enabled
     dump = options.dump_path

@@ -16,7 +16,10 @@ Eligible all-reduces: a replica group of at least 2 devices, a reduction the run
 - "on": every eligible all-reduce is marked;
 - "auto": eligible all-reduces the cost model (``spmd.passes.all_reduce_cost``) predicts faster
   one-shot are marked, and only when the program as a whole gains (``program_choice``: with
-  peer copies, one-shot all-reduces cost the program its per-device CUDA graphs).
+  peer copies, one-shot all-reduces cost the program its per-device CUDA graphs). An all-reduce
+  whose group spans processes (``process_ids``: a multi-process mesh) is priced with
+  ``cross_process_costs`` (PyTorch's symmetric-memory kernel), the others with ``costs`` (peer
+  copies in one process); each kind is decided on its own.
 
 The number marked is counted in ``spmd.metrics`` (``select-all-reduce.one_shot``).
 """
@@ -28,7 +31,14 @@ from typing import ClassVar
 
 from spmd import metrics
 from spmd.ir.hlo import Instruction, Module
-from spmd.passes.all_reduce_cost import H200_PEER_COPY, SmallAllReduceCosts, one_shot_us, program_choice, ring_us
+from spmd.passes.all_reduce_cost import (
+    H200_PEER_COPY,
+    H200_SYMMETRIC_MEMORY,
+    SmallAllReduceCosts,
+    one_shot_us,
+    program_choice,
+    ring_us,
+)
 
 ALGORITHM_KEY = "algorithm"  # backend_config key of an all-reduce's algorithm
 ONE_SHOT = "one-shot"
@@ -47,7 +57,9 @@ class SelectAllReduce:
 
     mode: "auto" | "on" | "off" (``CompileOptions.small_all_reduce``).
     max_bytes: largest all-reduce (bytes per device) that may run one-shot.
-    costs: the constants of the "auto" decision.
+    costs: the constants of the "auto" decision for groups inside one process.
+    cross_process_costs: the same for groups that span processes.
+    process_ids: per partition id, the process that drives it (``Mesh.process_ids``; empty: one process).
     cuda_graphs: whether the program will be replayed as a CUDA graph (the "auto" decision then
       counts ``costs.whole_graph_penalty_us``).
     Raises ValueError for an unknown mode or a negative ``max_bytes``; TypeError for a
@@ -58,6 +70,8 @@ class SelectAllReduce:
     mode: str = "auto"
     max_bytes: int = DEFAULT_MAX_BYTES
     costs: SmallAllReduceCosts = H200_PEER_COPY
+    cross_process_costs: SmallAllReduceCosts = H200_SYMMETRIC_MEMORY
+    process_ids: tuple[int, ...] = ()
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -77,15 +91,29 @@ class SelectAllReduce:
         sites = [(inst, k) for inst in module.entry.instructions
                  if (k := eligible_group_size(inst, module.num_partitions, self.max_bytes))]
         if self.mode == "auto":
-            sites = [(i, k) for i, k in sites
-                     if one_shot_us(i.shape.size_bytes, k, self.costs) < ring_us(i.shape.size_bytes, k, self.costs)]
-            choice = program_choice([(i.shape.size_bytes, k) for i, k in sites], self.costs, self.cuda_graphs)
-            if not choice.one_shot:
-                return module
+            sites = self._auto(sites, module.num_partitions)
         for inst, _ in sites:
             inst.attrs["backend_config"] = {**(inst.attrs.get("backend_config") or {}), ALGORITHM_KEY: ONE_SHOT}
         metrics.counter("select-all-reduce.one_shot").inc(len(sites))
         return module
+
+    def _auto(self, sites: list[tuple[Instruction, int]], num_partitions: int) -> list[tuple[Instruction, int]]:
+        """The sites "auto" marks: per cost kind (in-process, cross-process), those the model predicts
+        faster one-shot, when their program-level choice (``program_choice``) says one-shot."""
+        chosen = []
+        for costs, cross in ((self.costs, False), (self.cross_process_costs, True)):
+            mine = [(i, k) for i, k in sites if self._spans_processes(i, num_partitions) is cross
+                    and one_shot_us(i.shape.size_bytes, k, costs) < ring_us(i.shape.size_bytes, k, costs)]
+            if program_choice([(i.shape.size_bytes, k) for i, k in mine], costs, self.cuda_graphs).one_shot:
+                chosen += mine
+        order = {id(i): n for n, (i, _) in enumerate(sites)}
+        return sorted(chosen, key=lambda s: order[id(s[0])])
+
+    def _spans_processes(self, inst: Instruction, num_partitions: int) -> bool:
+        if not self.process_ids:
+            return False
+        groups = inst.attrs.get("replica_groups") or ((tuple(range(num_partitions))),)
+        return any(len({self.process_ids[p] for p in g}) > 1 for g in groups)
 
 
 def eligible_group_size(inst: Instruction, num_partitions: int, max_bytes: int) -> int:

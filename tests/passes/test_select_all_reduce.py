@@ -106,6 +106,17 @@ def test_auto_follows_the_cost_model():
         "small", "smax", "pairs"]
 
 
+@pytest.mark.parametrize(("process_ids", "marked"), [
+    ((), []), ((0, 0, 0, 0), []),  # one process: peer copies, which the 2xH200 constants never pick
+    ((0, 0, 1, 1), ["small", "smax", "large", "pairs"]),  # every group spans processes: symmetric memory
+    ((0, 1, 0, 1), ["small", "smax", "large"]),  # pairs {0,2} and {1,3} stay inside one process each
+])
+def test_auto_prices_cross_process_groups_with_symmetric_memory(process_ids, marked):
+    p = SelectAllReduce(mode="auto", costs=H200_PEER_COPY, cross_process_costs=H200_SYMMETRIC_MEMORY,
+                        process_ids=process_ids)
+    assert _marked(_run(p)[1]) == marked
+
+
 def test_auto_counts_the_whole_graph_penalty():
     penalty = dataclasses.replace(CHEAP, whole_graph_penalty_us=1000.0)
     assert _marked(_run(SelectAllReduce(mode="auto", costs=penalty))[1]) == []
