@@ -118,6 +118,29 @@ def test_jit_on_equals_off_bitwise(axes, n):
     torch.testing.assert_close(got.to_torch().double(), torch.tanh(x.double() @ w.double()), rtol=1e-5, atol=1e-5)
 
 
+def test_concurrent_calls_share_the_staging_buffers_safely():
+    import threading
+
+    f = _row_parallel(("tp",), 2, "on")
+    gen = torch.Generator().manual_seed(9)
+    cases = [(torch.randn(6, 64, generator=gen), torch.randn(64, 40, generator=gen)) for _ in range(4)]
+    want = [f(x, w).to_torch() for x, w in cases]  # one thread: the reference bits
+    got: dict = {}
+    barrier = threading.Barrier(4)
+
+    def worker(t):
+        barrier.wait()
+        got[t] = [f(*cases[t]).to_torch() for _ in range(30)]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for t in range(4):
+        assert all(torch.equal(g, want[t]) for g in got[t])
+
+
 def test_jit_selects_by_size_threshold():
     x, w = torch.randn(4, 16), torch.randn(16, 8)  # all-reduce of [4, 8] f32 = 128 bytes per device
 
