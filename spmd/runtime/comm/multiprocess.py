@@ -151,7 +151,9 @@ class MultiProcessCommunicator:
         in the same collective (one program everywhere)."""
         if spec.kind != "all-reduce" or spec.algorithm != "one-shot" or spec.reduce_op != "add":
             return None
-        if stacked.dtype not in SYMM_DTYPES or len({self.state.info.node_of_rank[r] for r in procs}) != 1:
+        if stacked.dtype not in SYMM_DTYPES or not stacked.numel():
+            return None
+        if len({self.state.info.node_of_rank[r] for r in procs}) != 1:  # the kernel reads peers over NVLink
             return None
         if self._symm_reason is None:
             self._symm_reason = symm_mem_supported(stacked.device)

@@ -22,6 +22,7 @@ one rank per GPU.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -55,8 +56,8 @@ def symm_mem_supported(device: torch.device) -> str:
 
 
 def eligible(spec: CollectiveSpec) -> bool:
-    """Whether the symmetric-memory kernel can run ``spec``: a one-shot sum of a supported dtype."""
-    return is_one_shot(spec) and spec.reduce_op == "add" and spec.dtype in DTYPES
+    """Whether the symmetric-memory kernel can run ``spec``: a non-empty one-shot sum of a supported dtype."""
+    return is_one_shot(spec) and spec.reduce_op == "add" and spec.dtype in DTYPES and math.prod(spec.out_dims) > 0
 
 
 class SymmetricOneShot:
@@ -116,9 +117,9 @@ def symmetric_buffer(dims: Sequence[int], dtype: torch.dtype, device: torch.devi
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group_name)
-    buf = symm_mem.empty(*dims, dtype=dtype, device=device)
+    buf = symm_mem.empty(math.prod(dims), dtype=dtype, device=device)  # flat: 0-d shapes too
     symm_mem.rendezvous(buf, group_name)
-    return buf
+    return buf.view(tuple(dims))
 
 
 def one_shot_sum(buf: Tensor, group_name: str, x: Tensor) -> Tensor:

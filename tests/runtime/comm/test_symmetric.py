@@ -34,6 +34,9 @@ def test_eligible_specs():
     assert not eligible(_spec(algorithm="ring"))
     assert not eligible(_spec(op="maximum"))  # the kernel only sums
     assert not eligible(_spec(torch.float64)) and not eligible(_spec(torch.int32))
+    empty = CollectiveSpec("all-reduce", groups=((0, 1),), out_dims=(0, 3), algorithm="one-shot")
+    scalar = CollectiveSpec("all-reduce", groups=((0, 1),), out_dims=(), algorithm="one-shot")
+    assert not eligible(empty) and eligible(scalar)
 
 
 def test_falls_back_without_symmetric_memory():
