@@ -85,6 +85,13 @@ def test_noncontiguous_operands():
     assert torch.equal(out[0], (base[0] + base[1]).t()) and out[0].is_contiguous()
 
 
+@pytest.mark.parametrize("dims", [(), (0, 3), (1,)], ids=str)
+def test_scalar_and_empty_operands(dims):
+    xs = [torch.randn(dims) for _ in range(3)] if dims != (0, 3) else [torch.zeros(dims)] * 3
+    out = CpuCommunicator(3).run(_spec(dims, torch.float32, "add", ((0, 1, 2),)), xs)
+    assert all(o.shape == dims and torch.equal(o, reduce_stack(xs, "add")) for o in out)
+
+
 def test_reduce_staged_bad_op():
     with pytest.raises(ValueError, match="reduce op: expected one of"):
         reduce_staged(torch.zeros(2, 3), "subtract")
