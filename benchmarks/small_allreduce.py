@@ -10,10 +10,10 @@ interleaved rounds (``benchmarks.common.interleaved``: A B, A B, ...; median of 
 * **comm eager**: one all-reduce through the communicator (``CudaCommunicator.run``: NCCL via
   ``torch.cuda.nccl`` against ``spmd.runtime.comm.one_shot``'s peer copies into fixed staging
   buffers plus one local reduction), device time between events on every device's stream;
-* **graph, per layer**: an ``--layers``-layer decode-shaped row-parallel chain
-  (``h = tanh(h @ w)``, ``w`` sharded on its rows over ``tp``: one all-reduce of ``rows x width`` per
-  layer) under ``spmd.jit`` with CUDA graphs, ``CompileOptions(small_all_reduce="off" / "on")``;
-  the step time divided by the layers, so the difference is the per-all-reduce difference;
+* **graph, per layer**: an ``--layers``-layer chain (``h = tanh(sum_0(x * h))``, ``x`` sharded on
+  dim 0 over ``tp``: one all-reduce of ``rows x width`` per layer and almost no compute) under
+  ``spmd.jit`` with CUDA graphs, ``CompileOptions(small_all_reduce="off" / "on")``; the step time
+  divided by the layers, so the difference is the per-all-reduce difference;
 * the cost model's prediction for both (``spmd.passes.all_reduce_cost.H200_PEER_COPY``), to
   refit its constants against;
 * with ``--symm`` (CUDA): one process per GPU, NCCL ``dist.all_reduce`` against PyTorch's
@@ -101,30 +101,37 @@ def comm_variants(torch: Any, devices: list, size_bytes: int, dtype: Any) -> dic
     return {f"comm-{alg}": (lambda s=spec: comm.run(s, xs, 0, envs)) for alg, spec in specs.items()}
 
 
+def chain(h: Any, x: Any, layers: int) -> Any:
+    """``layers`` times ``h = tanh(sum_0(x * h))``: with ``x`` sharded on dim 0, one local multiply-sum
+    and one all-reduce of ``h``'s size per layer (almost no compute: the all-reduces dominate)."""
+    import torch
+
+    for _ in range(layers):
+        h = torch.tanh((x * h).sum(0))
+    return h
+
+
 def graph_variants(torch: Any, mesh: Any, size_bytes: int, dtype: Any, layers: int) -> dict[str, Any]:
-    """The ``layers``-layer row-parallel chain under spmd.jit with CUDA graphs, one-shot off / on."""
+    """``chain`` under spmd.jit with CUDA graphs (on GPU meshes), one-shot off / on."""
+    import functools
+
     import spmd
 
     P = spmd.PartitionSpec
     tp = mesh.num_devices
     rows, width = _shape(size_bytes, torch.empty((), dtype=dtype).element_size())
-    width = max(width // tp, 1) * tp
     dev = mesh.devices[0]
     h0 = common.fresh_randn((rows, width), dtype, dev, seed=7).cpu()
-    w = common.fresh_randn((width, width), dtype, dev, seed=8, scale=width ** -0.5).cpu()
-
-    def chain(h, w):
-        for _ in range(layers):
-            h = torch.tanh(h @ w)
-        return h
-
+    x = common.fresh_randn((tp, rows, width), dtype, dev, seed=8, scale=1.0).cpu()
+    fn = functools.partial(chain, layers=layers)
+    fn.__name__ = "chain"  # type: ignore[attr-defined]
     out = {}
     for mode in ("off", "on"):
         opts = spmd.CompileOptions(small_all_reduce=mode, small_all_reduce_max_bytes=1 << 30,
                                    cuda_graphs=mesh.platform == "cuda")
-        f = spmd.jit(chain, mesh=mesh, in_shardings=(P(), P("tp", None)), out_shardings=P(), options=opts)
-        shardings = f.lower(h0, w).compile().input_shardings
-        args = (spmd.device_put(h0, shardings[0]), spmd.device_put(w, shardings[1]))
+        f = spmd.jit(fn, mesh=mesh, in_shardings=(P(), P("tp")), out_shardings=P(), options=opts)
+        shardings = f.lower(h0, x).compile().input_shardings
+        args = (spmd.device_put(h0, shardings[0]), spmd.device_put(x, shardings[1]))
         out[f"graph-{'one-shot' if mode == 'on' else 'ring'}"] = lambda f=f, args=args: f(*args)
     return out
 
