@@ -225,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     mesh = spmd.Mesh.create(("tp",), devices=f"{args.device}:{tp}")
     dtype = getattr(torch, DTYPES[args.dtype])
     records = []
-    for size in args.sizes:
+    for size in args.sizes:  # the JSON is rewritten after every size: a run cut short keeps what it measured
         records.append(measure_size(torch, mesh, size, dtype, args))
         print(f"size {size} B: {records[-1]}", flush=True)
+        if args.out is not None:
+            reporting.write_json(Path(args.out) / "small_allreduce_results.json", records)
     title = f"Small all-reduce: NCCL vs one-shot, tp={tp}, {args.dtype}, {args.layers}-layer graph chain"
     body = reporting.markdown_table(HEADERS, table_rows(records))
     notes = [f"- {r['size_bytes']} B {k}: {v}" for r in records for k, v in r["errors"].items()]
@@ -238,8 +240,6 @@ def main(argv: list[str] | None = None) -> int:
     reporting.print_table(title, HEADERS, table_rows(records))
     if args.symm and args.device == "cuda":
         body += _symm_section(args, tp)
-    if args.out is not None:
-        reporting.write_json(Path(args.out) / "small_allreduce_results.json", records)
     if args.doc is not None:
         reporting.append_row_set(args.doc, title, reporting.hardware_info(), body)
     measured = any(r.get(k) is not None for r in records for k in ("comm_ring_us", "graph_ring_us"))
