@@ -13,6 +13,10 @@ Both are latency + bandwidth (alpha-beta) models, the form of Thakur, Rabenseifn
   the copies costs (graph edges across devices, or none where the kernel synchronizes in device
   memory, as torch's symmetric-memory one-shot kernel does).
 
+Both are device times. Host issue cost (eager mode: the peer-copy one-shot issues about
+``2 + 3 (k-1)`` calls per device -- events, copies, the reduction -- where NCCL issues one) is not
+modelled: eager execution of small programs is host-bound either way, and CUDA graphs remove it.
+
 The one-shot wins for small messages (no ring start-up, one step) and loses for large ones
 (``k-1`` full copies into every device instead of ``2 (k-1)/k``). Published one-shot kernels
 with in-kernel flag synchronization (TensorRT-LLM's and vLLM's custom all-reduce, PyTorch's
