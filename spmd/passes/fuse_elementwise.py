@@ -10,7 +10,8 @@ producers (add, multiply, ...) whose users can all fuse them (each consumer reco
 producer, whose own kernel then goes away: a residual add read by a LayerNorm and by the next
 residual add). A recomputed producer takes its own operands as inputs (one level: recomputing
 a chain of residual sums in every layer's norm would read every earlier layer's output). An
-``add`` of a single-use dot and a bias or residual is left to the runtime's addmm. Each group with at least two ops that would launch a kernel becomes::
+``add`` of a single-use dot and a bias or residual is left to the runtime's addmm. Each group
+with at least two ops that would launch a kernel becomes::
 
     %fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual), kind=kLoop, calls=%fused_computation
 
