@@ -121,7 +121,7 @@ def use_fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
         return False
     if attn_mask is not None:
-        if (not isinstance(attn_mask, torch.Tensor) or attn_mask.requires_grad
+        if is_causal or (not isinstance(attn_mask, torch.Tensor) or attn_mask.requires_grad
                 or attn_mask.dtype not in (torch.bool, query.dtype)):
             return False
         scores = (*query.shape[:-1], key.shape[-2])
