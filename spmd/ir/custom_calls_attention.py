@@ -91,8 +91,12 @@ def _choose(q, k, v, bias, causal: bool, scale: float, config: Config) -> str:
         raise ValueError(f"attention backend_config backend: expected 'auto' or 'math', got {backend!r}")
     if backend == "math" or q.shape[-1] != v.shape[-1] or q.numel() == 0 or k.shape[-2] == 0:
         return "math"
+    try:  # inputs marked as needing gradients: the choice then also checks the backward's limits
+        probe = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    except RuntimeError:  # inference-mode tensors
+        probe = (q, k, v)
     try:
-        choice = int(torch._fused_sdp_choice(q, k, v, bias, 0.0, causal, scale=scale))
+        choice = int(torch._fused_sdp_choice(*probe, bias, 0.0, causal, scale=scale))
     except RuntimeError:
         return "math"
     if q.device.type == "cpu":
@@ -129,7 +133,7 @@ def _math_probs(q, k, bias, causal, scale, lse=None):
 
 def _dummy_rng(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Philox seed / offset placeholders for dropout_p = 0 (the kernels do not read them)."""
-    return (torch.zeros(2, dtype=torch.uint64, device=q.device), torch.zeros((), dtype=torch.uint64, device=q.device))
+    return (torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device))
 
 
 # --------------------------------------------------------------------------- forward
