@@ -17,8 +17,9 @@ custom calls' kernels, so a program traced here computes what it computes compil
 
 ``use_fused(...)`` says when SDPA takes this path: ``FUSED_ATTENTION_GRAD`` is on (the
 ``CompileOptions.fused_attention_grad`` of the compilation, set by ``spmd.lowering``), dropout_p
-is 0, no GQA broadcast, q, k and v share their leading dims, and the mask needs no gradient;
-otherwise the importer traces SDPA's math definition (dots and softmax).
+is 0, q, k and v share their leading dims (or ``enable_gqa=True`` with kv heads dividing the query
+heads: k and v are repeated per group first), and the mask needs no gradient and is not combined
+with ``is_causal``; otherwise the importer traces SDPA's math definition (dots and softmax).
 """
 
 import contextvars
@@ -108,17 +109,37 @@ class _FusedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _repeat_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """k or v ``[..., Hkv, S, E]`` with each head repeated ``n_heads / Hkv`` times (GQA, as
+    ``enable_gqa=True`` defines it: query head h reads kv head ``h // (n_heads / Hkv)``)."""
+    h = t.shape[-3]
+    if h == n_heads:
+        return t
+    lead = t.shape[:-3]
+    return t.unsqueeze(-3).expand(*lead, h, n_heads // h, *t.shape[-2:]).reshape(*lead, n_heads, *t.shape[-2:])
+
+
+def _gqa_ok(query, key, value) -> bool:
+    if min(query.dim(), key.dim(), value.dim()) < 3 or query.shape[:-3] != key.shape[:-3]:
+        return False
+    hq, hk = query.shape[-3], key.shape[-3]
+    return hk == value.shape[-3] and hk > 0 and hq % hk == 0
+
+
 def use_fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False) -> bool:
     """Whether this SDPA call (``F.scaled_dot_product_attention``'s arguments) takes the fused ops."""
-    if not FUSED_ATTENTION_GRAD.get() or dropout_p or enable_gqa:
+    if not FUSED_ATTENTION_GRAD.get() or dropout_p:
         return False
     ts = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.dim() >= 2 for t in ts):
         return False
     if len({t.dtype for t in ts}) != 1 or query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
         return False
-    if not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
+    if enable_gqa:
+        if not _gqa_ok(query, key, value):
+            return False
+    elif not query.shape[:-2] == key.shape[:-2] == value.shape[:-2]:
         return False
     if attn_mask is not None:
         if is_causal or (not isinstance(attn_mask, torch.Tensor) or attn_mask.requires_grad
@@ -134,7 +155,12 @@ def use_fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 
 def fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` through ``spmd::attention_fwd`` (call when ``use_fused``)."""
+    """``F.scaled_dot_product_attention`` through ``spmd::attention_fwd`` (call when ``use_fused``).
+
+    With ``enable_gqa`` the key / value heads are repeated to the query's head count first (their
+    gradients are summed back over each group by autograd)."""
+    if enable_gqa:
+        key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
     scale = None if scale is None else float(scale)
     return _FusedAttention.apply(query, key, value, attn_mask, bool(is_causal), scale)[0]
 

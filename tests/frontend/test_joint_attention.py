@@ -112,3 +112,19 @@ def test_dropout_is_a_clear_error():
         return torch.func.grad(loss)(q)
     with pytest.raises(ValueError, match="dropout_p > 0"):
         spmd.jit(f, mesh=Mesh.create(("dp",), devices="cpu:1"))(*_inputs())
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_enable_gqa_gradients(n):
+    """enable_gqa=True (4 query heads over 2 kv heads): fused, with k / v gradients summed per group."""
+    q, k, v = _inputs()
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+
+    def f(q, k, v):
+        def loss(q, k, v):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return (out * out.flip(-1)).sum()
+        grads, value = torch.func.grad_and_value(loss, argnums=(0, 1, 2))(q, k, v)
+        return (value, *grads)
+    assert "attention-backward" in _targets(f, (q, k, v))
+    _check(f, (q, k, v), Mesh.create(("dp",), devices=f"cpu:{n}"), (P("dp"),) * 3)
