@@ -103,9 +103,9 @@ def _choose(q, k, v, bias, causal: bool, scale: float, config: Config) -> str:
         return "flash-cpu" if choice == SDPBackend.FLASH_ATTENTION.value else "math"
     if choice == SDPBackend.FLASH_ATTENTION.value and bias is None:
         return "flash"
-    if choice == SDPBackend.CUDNN_ATTENTION.value and bias is None:
+    if choice == SDPBackend.CUDNN_ATTENTION.value:
         return "cudnn"
-    if choice == SDPBackend.EFFICIENT_ATTENTION.value and (bias is None or k.shape[-2] % 16 == 0):
+    if choice == SDPBackend.EFFICIENT_ATTENTION.value:
         return "efficient"
     return "math"
 
@@ -131,9 +131,20 @@ def _math_probs(q, k, bias, causal, scale, lse=None):
     return p, lse
 
 
-def _dummy_rng(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Philox seed / offset placeholders for dropout_p = 0 (the kernels do not read them)."""
-    return (torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device))
+def _dummy_rng(q: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Philox seed / offset placeholders for dropout_p = 0 (the kernels do not read them), shaped as
+    the forward kernels return them (ATen's meta functions)."""
+    if kind == "flash":
+        return torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
+    return torch.empty((), dtype=torch.long, device=q.device), torch.empty((), dtype=torch.long, device=q.device)
+
+
+def _aligned(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias with its last dim's storage padded to a multiple of 16 elements (what
+    ``F.scaled_dot_product_attention`` does for the memory-efficient kernel); same values."""
+    if bias is None or bias.shape[-1] % 16 == 0:
+        return bias
+    return torch.nn.functional.pad(bias, (0, -bias.shape[-1] % 16))[..., :bias.shape[-1]]
 
 
 # --------------------------------------------------------------------------- forward
@@ -147,10 +158,10 @@ def _forward4(q, k, v, bias, causal, scale, kind):
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
     elif kind == "cudnn":
-        res = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        res = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1].reshape(*q.shape[:2], sq)
     elif kind == "efficient":
-        res = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
+        res = aten._scaled_dot_product_efficient_attention(q, k, v, _aligned(bias), True, 0.0, causal, scale=scale)
         out, lse = res[0], res[1][..., :sq]
     else:
         p, lse = _math_probs(q, k, bias, causal, scale)
@@ -184,20 +195,18 @@ def _backward4(do, q, k, v, bias, out, lse, causal, scale, kind):
     if kind == "flash-cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    seed, offset = _dummy_rng(q, kind)
     if kind == "flash":
-        seed, offset = _dummy_rng(q)
         return aten._scaled_dot_product_flash_attention_backward(
             do, q, k, v, out, lse.float().contiguous(), None, None, sq, sk, 0.0, causal, seed, offset, scale=scale)
     if kind == "cudnn":
-        seed, offset = _dummy_rng(q)
         return aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, k, v, out, lse.float().unsqueeze(-1).contiguous(), seed, offset, None, None, None, sq, sk, 0.0,
+            do, q, k, v, out, lse.float().unsqueeze(-1).contiguous(), seed, offset, bias, None, None, sq, sk, 0.0,
             causal, scale=scale)
     if kind == "efficient":
-        seed, offset = _dummy_rng(q)
         padded = torch.nn.functional.pad(lse.float(), (0, -sq % 32)).contiguous()
         res = aten._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, bias, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+            do, q, k, v, _aligned(bias), out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
         return res[0], res[1], res[2]
     p, _ = _math_probs(q, k, bias, causal, scale, lse)
     wide = p.dtype
