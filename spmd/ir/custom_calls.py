@@ -67,13 +67,16 @@ class CustomCallSpec:
       reduced_dims: for ``"reduction-last-dims"``, ``(config, rank) -> tuple[int, ...]`` giving
         the non-negative dims of operand 0 that must stay unsharded; None for other kinds.
       doc: one line on what it computes.
+      writes_out: ``fn`` takes a third argument ``out`` (the result's buffer, or None) and writes
+        its result there itself (saves the runtime's copy of a fresh result into the buffer).
     """
 
     target: str
-    fn: Callable[[list[torch.Tensor], Config], torch.Tensor]
+    fn: Callable[..., torch.Tensor]
     rule: str
     reduced_dims: Callable[[Config, int], tuple[int, ...]] | None = None
     doc: str = ""
+    writes_out: bool = False
 
     def __post_init__(self) -> None:
         assert self.rule in RULE_KINDS, self.rule
@@ -181,8 +184,10 @@ def _register_more() -> None:
     from spmd.ir.custom_calls_sort import SORT_CALLS
     from spmd.ir.random import RANDOM_CALLS
 
-    for target, fn, rule, reduced_dims, doc in (*SORT_CALLS, *RANDOM_CALLS, *CONV_CALLS, *ATTENTION_GRAD_CALLS):
+    for target, fn, rule, reduced_dims, doc in (*SORT_CALLS, *RANDOM_CALLS, *CONV_CALLS):
         CUSTOM_CALLS[target] = CustomCallSpec(target, fn, rule, reduced_dims, doc)
+    for target, fn, rule, reduced_dims, doc in ATTENTION_GRAD_CALLS:
+        CUSTOM_CALLS[target] = CustomCallSpec(target, fn, rule, reduced_dims, doc, writes_out=True)
 
 
 _register_more()

@@ -147,6 +147,17 @@ def _aligned(bias: torch.Tensor | None) -> torch.Tensor | None:
     return torch.nn.functional.pad(bias, (0, -bias.shape[-1] % 16))[..., :bias.shape[-1]]
 
 
+def _target(out: torch.Tensor | None, q: torch.Tensor, shape) -> torch.Tensor:
+    """Where a kernel writes its packed result: ``out`` when it is contiguous, else a new tensor."""
+    return out if out is not None and out.is_contiguous() else q.new_empty(shape)
+
+
+def _written(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None or out is result:
+        return result
+    return out.copy_(result)
+
+
 # --------------------------------------------------------------------------- forward
 def _forward4(q, k, v, bias, causal, scale, kind):
     """(out ``[B, H, Sq, Dv]``, lse ``[B, H, Sq]`` in ``stat_dtype``) by kernel ``kind``."""
@@ -169,11 +180,11 @@ def _forward4(q, k, v, bias, causal, scale, kind):
     return out, lse.to(stat_dtype(q.dtype))
 
 
-def attention_forward(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
+def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
     """``attention-forward``: q, k, v[, mask] -> packed ``[..., Sq, Dv + stat_columns]`` (q's dtype).
 
     Columns ``[0, Dv)`` hold softmax(q kᵀ·scale + mask) v; the rest the float32 (float64)
-    log-sum-exp of each row's scaled, masked scores, bit-packed.
+    log-sum-exp of each row's scaled, masked scores, bit-packed. Written into ``out`` when given.
     """
     q, k, v = operands[:3]
     mask = operands[3] if config.get("has_mask", len(operands) > 3) else None
@@ -182,9 +193,13 @@ def attention_forward(operands: list[torch.Tensor], config: Config) -> torch.Ten
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])
-    out, lse = _forward4(q4, k4, v4, bias, causal, scale, _choose(q4, k4, v4, bias, causal, scale, config))
+    attn, lse = _forward4(q4, k4, v4, bias, causal, scale, _choose(q4, k4, v4, bias, causal, scale, config))
     stats = lse.contiguous().unsqueeze(-1).view(q.dtype)
-    return torch.cat([out.to(q.dtype), stats], dim=-1).reshape(*lead, q.shape[-2], -1)
+    result = _target(out, q, (*lead, q.shape[-2], v.shape[-1] + stats.shape[-1]))
+    packed = result.view(*q4.shape[:-1], result.shape[-1])
+    packed[..., :v.shape[-1]].copy_(attn)
+    packed[..., v.shape[-1]:].copy_(stats)
+    return _written(out, result)
 
 
 # --------------------------------------------------------------------------- backward
@@ -218,28 +233,33 @@ def _backward4(do, q, k, v, bias, out, lse, causal, scale, kind):
     return torch.matmul(ds, k.to(wide)), torch.matmul(ds.transpose(-2, -1), q.to(wide)), dv
 
 
-def attention_backward(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
+def attention_backward(operands: list[torch.Tensor], config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
     """``attention-backward``: q, k, v, packed, dout[, mask] -> ``[..., 1, Sq*D + Sk*D + Sk*Dv]``.
 
     ``packed`` is ``attention-forward``'s result for the same q, k, v, mask and config; dout
     ``[..., Sq, Dv]``. The result holds dq, dk, dv (each flattened over its last two dims, in
-    that order, q's dtype).
+    that order, q's dtype); written into ``out`` when given.
     """
     q, k, v, packed, do = operands[:5]
     mask = operands[5] if config.get("has_mask", len(operands) > 5) else None
     lead, dv_size = q.shape[:-2], v.shape[-1]
     q4, k4, v4 = (_as4d(t).contiguous() for t in (q, k, v))
     p4 = _as4d(packed)
-    out = p4[..., :dv_size].contiguous()
+    attn = p4[..., :dv_size].contiguous()
     lse = p4[..., dv_size:].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
     do4 = _as4d(do).contiguous().to(q.dtype)
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])
     kind = _choose(q4, k4, v4, bias, causal, scale, config)
-    grads = _backward4(do4, q4, k4, v4, bias, out, lse, causal, scale, kind)
-    flat = [g.to(q.dtype).reshape(*lead, -1) for g in grads]
-    return torch.cat(flat, dim=-1).unsqueeze(-2)
+    grads = _backward4(do4, q4, k4, v4, bias, attn, lse, causal, scale, kind)
+    result = _target(out, q, (*lead, 1, grads_width(q.shape, k.shape, v.shape)))
+    flat, start = result.view(*q4.shape[:2], -1), 0
+    for g in grads:
+        n = g.shape[-2] * g.shape[-1]
+        flat[:, :, start:start + n].view(g.shape).copy_(g)
+        start += n
+    return _written(out, result)
 
 
 ATTENTION_GRAD_CALLS = (

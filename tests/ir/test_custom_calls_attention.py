@@ -125,3 +125,17 @@ def test_cuda_picks_a_fused_kernel_and_matches(dtype, mask_kind):
     for name, a, b, m in zip(("out", "dq", "dk", "dv"), got, want, ref, strict=True):
         err, err_math = (a.double() - b).abs().max().item(), (m.double() - b).abs().max().item()
         assert err <= 4 * err_math + 1e-2, (name, kind, err, err_math)
+
+
+def test_results_written_into_the_given_buffer():
+    """The runtime passes the result's buffer: contiguous ones are written in place, others copied into."""
+    q, k, v, _, do = _inputs((2, 3, 5, 4), 5, 4, None, torch.float32)
+    fwd, bwd = get_custom_call("attention-forward"), get_custom_call("attention-backward")
+    assert fwd.writes_out and bwd.writes_out
+    packed = fwd.fn([q, k, v], {})
+    for buf in (torch.full_like(packed, float("nan")), torch.full((2, 3, 5, 9), float("nan"))[..., :5]):
+        assert fwd.fn([q, k, v], {}, buf) is buf
+        assert torch.equal(buf, packed)
+    grads = bwd.fn([q, k, v, packed, do], {})
+    buf = torch.full_like(grads, float("nan"))
+    assert bwd.fn([q, k, v, packed, do], {}, buf) is buf and torch.equal(buf, grads)

@@ -76,3 +76,23 @@ def test_lowered_program_attention_kind(fused):
     assert _targets(text, "attention-backward") == (2 if fused else 0)
     assert _targets(text, "attention-forward") == (2 if fused else 0)
     assert bool(_score_softmaxes(text)) != fused
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_step_with_fused_attention_tracks_the_math_step():
+    """One GPU, bfloat16, seq 256: the fused step (flash / efficient / cuDNN kernels, CUDA graphs
+    as default) gives the math step's losses within bfloat16 rounding over 5 steps."""
+    g = torch.Generator().manual_seed(4)
+    batches = [{"x": torch.randn(2, 256, 64, generator=g).to("cuda", torch.bfloat16),
+                "y": torch.randn(2, 256, 64, generator=g).to("cuda", torch.bfloat16)} for _ in range(5)]
+    losses = {}
+    for fused in (True, False):
+        model = llama_layers("llama2-7b", 2, small=True, seed=0, dtype=torch.bfloat16, device="cuda")
+        ts = make_train_step(model.train().requires_grad_(), Mesh.create(("dp",), devices="cuda:1"), None, _loss_fn,
+                             optimizer=AdamW(lr=1e-3), options=CompileOptions(fused_attention_grad=fused))
+        losses[fused] = [float(ts.step(b)["loss"]) for b in batches]
+        text = ts.lowered.as_text("spmd-partition")
+        assert _targets(text, "attention-backward") == (2 if fused else 0)
+    for a, b in zip(losses[True], losses[False], strict=True):
+        assert abs(a - b) <= 2e-2 * abs(b), (losses[True], losses[False])
