@@ -88,7 +88,7 @@ def _split(grads, q, k, v):
 class _FusedAttention(torch.autograd.Function):
     """Autograd of ``attention_fwd``: the backward is ``attention_bwd`` (a ``torch.autograd.Function``
     with ``setup_context``, so ``torch.func.grad`` can differentiate it too). First derivatives
-    only: the gradients it returns are not themselves differentiable."""
+    only: differentiating the gradients it returns raises NotImplementedError."""
 
     @staticmethod
     def forward(q, k, v, mask, is_causal, scale):
@@ -104,9 +104,27 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dpacked):
         q, k, v, mask, packed = ctx.saved_tensors
-        with torch.no_grad():  # first derivatives only (the backward op itself is not differentiable)
-            dq, dk, dv = attention_bwd(dout.to(q.dtype), q, k, v, mask, packed, ctx.is_causal, ctx.scale)
+        dq, dk, dv = _FusedAttentionBackward.apply(dout.to(q.dtype), q, k, v, mask, packed, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None, None
+
+
+class _FusedAttentionBackward(torch.autograd.Function):
+    """``attention_bwd`` as a function whose own derivative is a clear error (second derivatives
+    through the fused attention are not supported)."""
+
+    @staticmethod
+    def forward(dout, q, k, v, mask, packed, is_causal, scale):
+        return attention_bwd(dout, q, k, v, mask, packed, is_causal, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "second derivatives through the fused scaled_dot_product_attention are not supported; compile with "
+            "spmd.CompileOptions(fused_attention_grad=False) to differentiate its math definition")
 
 
 def _repeat_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -128,3 +128,26 @@ def test_enable_gqa_gradients(n):
         return (value, *grads)
     assert "attention-backward" in _targets(f, (q, k, v))
     _check(f, (q, k, v), Mesh.create(("dp",), devices=f"cpu:{n}"), (P("dp"),) * 3)
+
+
+def _second_derivative_fn(sdpa):
+    def f(q):
+        def inner(q):
+            return sdpa(q, q * 0.5, q).pow(2).sum()
+        return torch.func.grad(lambda q: torch.func.grad(inner)(q).pow(2).sum())(q)
+    return f
+
+
+def _math_sdpa(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+def test_second_derivatives_are_a_clear_error_or_the_math_path():
+    q = _inputs(b=2, h=2, s=4, d=4)[0]
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    with pytest.raises(ValueError, match="second derivatives"):
+        spmd.jit(_second_derivative_fn(F.scaled_dot_product_attention), mesh=mesh)(q)
+    got = spmd.jit(_second_derivative_fn(F.scaled_dot_product_attention), mesh=mesh, in_shardings=(P("dp"),),
+                   options=CompileOptions(fused_attention_grad=False))(q)
+    want = _second_derivative_fn(_math_sdpa)(q.double())
+    torch.testing.assert_close(got.to_torch().double(), want, rtol=1e-5, atol=1e-5)
