@@ -42,7 +42,8 @@ from torch.nn.attention import SDPBackend
 
 Config = dict[str, Any]
 
-__all__ = ["ATTENTION_GRAD_CALLS", "attention_backward", "attention_forward", "grads_width", "stat_columns"]
+__all__ = ["ATTENTION_GRAD_CALLS", "attention_backward", "attention_forward", "check_result_shape", "grads_width",
+           "stat_columns"]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,6 +59,25 @@ def stat_columns(dtype: torch.dtype) -> int:
 def grads_width(q_shape, k_shape, v_shape) -> int:
     """Last-dim size of the packed backward result: ``Sq*D + Sk*D + Sk*Dv``."""
     return q_shape[-2] * q_shape[-1] + k_shape[-2] * k_shape[-1] + v_shape[-2] * v_shape[-1]
+
+
+def check_result_shape(target: str, operand_shapes, shape) -> None:
+    """ValueError unless ``shape`` (an ``spmd.ir.hlo.Shape``) is the result shape of ``target``
+    (``attention-forward`` / ``attention-backward``) for these operand shapes; other targets pass."""
+    if target not in ("attention-forward", "attention-backward"):
+        return
+    need = 3 if target == "attention-forward" else 5
+    if len(operand_shapes) < need or any(o.is_tuple or o.rank < 2 for o in operand_shapes[:need]):
+        raise ValueError(f"{target}: expected at least {need} array operands of rank >= 2, got "
+                         f"{[str(o) for o in operand_shapes]}")
+    q, k, v = (o.dims for o in operand_shapes[:3])
+    if target == "attention-forward":
+        dims = (*q[:-1], v[-1] + stat_columns(shape.torch_dtype))
+    else:
+        dims = (*q[:-2], 1, grads_width(q, k, v))
+    if shape.dtype != operand_shapes[0].dtype or tuple(shape.dims) != dims:
+        raise ValueError(f"{target}: result must be {operand_shapes[0].dtype}{list(dims)} for q {operand_shapes[0]}, "
+                         f"k {operand_shapes[1]}, v {operand_shapes[2]}; got {shape}")
 
 
 # --------------------------------------------------------------------------- helpers

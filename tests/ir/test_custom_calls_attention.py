@@ -139,3 +139,25 @@ def test_results_written_into_the_given_buffer():
     grads = bwd.fn([q, k, v, packed, do], {})
     buf = torch.full_like(grads, float("nan"))
     assert bwd.fn([q, k, v, packed, do], {}, buf) is buf and torch.equal(buf, grads)
+
+
+def test_verify_checks_the_result_shapes():
+    from spmd.ir.text import parse_module
+    from spmd.ir.verify import VerifyError, verify_module
+
+    text = """HloModule m
+
+ENTRY %main (q: bf16[2,5,4], k: bf16[2,7,4], v: bf16[2,7,6], dout: bf16[2,5,6]) -> bf16[2,1,{w}] {{
+  %q = bf16[2,5,4] parameter(0)
+  %k = bf16[2,7,4] parameter(1)
+  %v = bf16[2,7,6] parameter(2)
+  %dout = bf16[2,5,6] parameter(3)
+  %fwd = bf16[2,5,{c}] custom-call(%q, %k, %v), custom_call_target="attention-forward"
+  ROOT %bwd = bf16[2,1,{w}] custom-call(%q, %k, %v, %fwd, %dout), custom_call_target="attention-backward"
+}}
+"""
+    verify_module(parse_module(text.format(c=8, w=5 * 4 + 7 * 4 + 7 * 6)))  # 6 + 2 bf16 columns of log-sum-exp
+    with pytest.raises(VerifyError, match="attention-forward: result must be bf16"):
+        verify_module(parse_module(text.format(c=7, w=90)))
+    with pytest.raises(VerifyError, match="attention-backward: result must be bf16"):
+        verify_module(parse_module(text.format(c=8, w=91)))
