@@ -25,8 +25,11 @@ same way along the last dim (each flattened over its last two dims), and sliced 
 Kernels (``backend="auto"``): the fused kernel ``torch._fused_sdp_choice`` picks for these
 inputs, the one ``F.scaled_dot_product_attention`` itself would use (CPU: ATen's flash kernel
 for CPU; CUDA: flash, memory-efficient or cuDNN attention), else the math definition below.
-Forward and backward make the same choice (it depends on shapes, dtypes, strides and the mask
-only). ``backend="math"`` always uses the math definition (float32 arithmetic for 16-bit inputs).
+The choice is made with q, k, v marked as needing gradients, so the backward kernel's limits
+count too. Forward and backward make the same choice (it depends on shapes, dtypes, strides and
+the mask only, and both calls read the same q, k, v values). ``backend="math"`` always uses the
+math definition (float32 arithmetic for 16-bit inputs); an unknown backend is a ValueError.
+Only dropout_p = 0 (the importer traces dropout through the math path).
 
 Sharding rule ``"attention"`` (``spmd.passes.sharding_rules``): the leading (batch, head) dims of
 every operand and of the result may be sharded alike; the last two dims are unsharded.
