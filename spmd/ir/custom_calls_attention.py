@@ -29,7 +29,7 @@ The choice is made with q, k, v marked as needing gradients, so the backward ker
 count too. Forward and backward make the same choice (it depends on shapes, dtypes, strides and
 the mask only, and both calls read the same q, k, v values). ``backend="math"`` always uses the
 math definition (float32 arithmetic for 16-bit inputs); an unknown backend is a ValueError.
-Only dropout_p = 0 (the importer traces dropout through the math path).
+Only dropout_p = 0: the importer rejects SDPA with dropout (a clear error).
 
 Sharding rule ``"attention"`` (``spmd.passes.sharding_rules``): the leading (batch, head) dims of
 every operand and of the result may be sharded alike; the last two dims are unsharded.
