@@ -75,7 +75,7 @@ def _spmd_step(model, x, y, device: str, fused_attention: bool = True) -> Callab
     batch = {"x": ts.place_batch({"x": x})["x"], "y": ts.place_batch({"y": y})["y"]}
 
     def step():
-        ts.step(batch)
+        ts.step(batch, fetch=False)  # like the torch loops: no host read of the loss per step
     return step
 
 
