@@ -3,8 +3,8 @@
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
     import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
-           → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise
-           → assign-streams → schedule
+           → merge-dots → fuse-attention → hoist-weights → split-batch → combine-collectives
+           → fuse-elementwise → assign-streams → async-collectives → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
 (values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
@@ -29,12 +29,14 @@ from spmd import metrics
 from spmd.ir.hlo import Module
 from spmd.ir.text import print_module
 from spmd.ir.verify import verify_module
+from spmd.passes.combine_collectives import DEFAULT_BUCKET_SIZE_BYTES, check_bucket_size_bytes
 
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
-          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "assign-streams", "schedule")
+          "fuse-attention", "hoist-weights", "split-batch", "combine-collectives", "fuse-elementwise", "assign-streams",
+          "async-collectives", "schedule")
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,21 @@ class CompileOptions:
       split_batch_overlap: "auto" (the cost model decides), "on" or "off": run a row-separable
         tensor-parallel program as two interleaved batch halves so that one half's all-reduces run
         under the other half's GEMMs (``spmd.passes.split_batch``).
+      bucket_size_bytes: combine small independent all-reduces / reduce-scatters of one kind into
+        one collective per bucket of at most this many bytes per device (``spmd.passes.
+        combine_collectives``; like DDP's gradient buckets); 0 disables.
+      async_collectives: run an all-gather / all-reduce / reduce-scatter that has a GEMM it does
+        not depend on as an async start / done pair on the communication stream, so the schedule
+        pass overlaps them (``spmd.passes.async_collectives``).
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
       ValueError: for an unknown ``windowed_einsum`` or ``split_batch_overlap`` mode, a
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
-        ``fuse_attention``, ``fuse_elementwise`` or ``hoist_weights`` not a bool (or None where
-        allowed); ``num_compute_streams`` not an int; ``dump_dir`` not a path.
+        ``fuse_attention``, ``fuse_elementwise``, ``hoist_weights`` or ``async_collectives`` not a
+        bool (or None where allowed); ``num_compute_streams`` or ``bucket_size_bytes`` not an int;
+        ``dump_dir`` not a path. ValueError: a negative ``bucket_size_bytes``.
     """
 
     windowed_einsum: str = "auto"
@@ -83,6 +92,8 @@ class CompileOptions:
     fuse_elementwise: bool = True
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    async_collectives: bool = True
     dump_dir: str | None = None
     verify: bool | None = None
 
@@ -95,10 +106,11 @@ class CompileOptions:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
-        for name in ("merge_dots", "fuse_attention", "fuse_elementwise", "hoist_weights"):
+        for name in ("merge_dots", "fuse_attention", "fuse_elementwise", "hoist_weights", "async_collectives"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")
+        check_bucket_size_bytes(self.bucket_size_bytes)
         n = self.num_compute_streams
         if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
             raise TypeError(f"num_compute_streams must be an int >= 1 or None, got {n!r}")
@@ -165,6 +177,8 @@ class PipelineResult:
 def build_passes(options: CompileOptions) -> list:
     """The pass objects for ``options``, in run order."""
     from spmd.passes.assign_streams import AssignStreams
+    from spmd.passes.async_collectives import AsyncCollectives
+    from spmd.passes.combine_collectives import CombineCollectives
     from spmd.passes.cse import CSE
     from spmd.passes.fuse_attention import FuseAttention
     from spmd.passes.fuse_elementwise import FuseElementwise
@@ -193,8 +207,10 @@ def build_passes(options: CompileOptions) -> list:
         FuseAttention(enabled=options.fuse_attention),
         HoistWeights(enabled=options.hoist_weights),
         SplitBatch(mode=options.split_batch_overlap),
+        CombineCollectives(bucket_size_bytes=options.bucket_size_bytes),
         FuseElementwise(enabled=options.fuse_elementwise),
         AssignStreams(**streams_kwargs),
+        AsyncCollectives(enabled=options.async_collectives),
         Schedule(),
     ]
 
