@@ -2,7 +2,7 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
+    import → propagate-sharding → spmd-partition → simplify → cse → sink-scale → windowed-einsum
            → merge-dots → fuse-attention → hoist-weights → split-batch → combine-collectives
            → fuse-elementwise → assign-streams → async-collectives → schedule
 
@@ -34,9 +34,9 @@ from spmd.passes.combine_collectives import DEFAULT_BUCKET_SIZE_BYTES, check_buc
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
-          "fuse-attention", "hoist-weights", "split-batch", "combine-collectives", "fuse-elementwise", "assign-streams",
-          "async-collectives", "schedule")
+STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "sink-scale", "windowed-einsum",
+          "merge-dots", "fuse-attention", "hoist-weights", "split-batch", "combine-collectives", "fuse-elementwise",
+          "assign-streams", "async-collectives", "schedule")
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,7 @@ def build_passes(options: CompileOptions) -> list:
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.schedule import Schedule
     from spmd.passes.simplify import Simplify
+    from spmd.passes.sink_scale import SinkScale
     from spmd.passes.split_batch import SplitBatch
     from spmd.passes.spmd_partition import SpmdPartition
     from spmd.passes.windowed_einsum import WindowedEinsum
@@ -202,6 +203,7 @@ def build_passes(options: CompileOptions) -> list:
         SpmdPartition(dot_gather_discount=discount),
         Simplify(),
         CSE(),
+        SinkScale(enabled=options.windowed_einsum != "off"),
         WindowedEinsum(**we_kwargs),
         MergeDots(enabled=options.merge_dots),
         FuseAttention(enabled=options.fuse_attention),
