@@ -46,6 +46,7 @@ from spmd.ir.hlo import Computation, Instruction, Module, Shape
 PREFETCH_KEY = "prefetch_dots"  # backend_config key of an all-gather-start: GEMMs it may run ahead
 _COMM_STARTS = frozenset({"collective-permute-start", "all-reduce-start", "all-gather-start"})
 _GEMM_TARGETS = frozenset({"attention", "conv1d"})
+_LAYOUT = frozenset({"transpose", "reshape", "copy", "convert"})
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class AsyncCollectives:
         for inst in out:
             inst.operands = [repl.get(id(o), o) for o in inst.operands]
         comp.root = repl.get(id(comp.root), comp.root)
-        comp.instructions = out
+        comp.instructions = _hoist_chains(out, [repl[k].operands[0] for k in picked])
         return module
 
     def _picked(self, comp: Computation) -> set[int]:
@@ -106,7 +107,10 @@ class AsyncCollectives:
                 continue
             if inst.stream_id not in (None, 0) or inst.attrs.get("backend_config"):
                 continue
-            lo = max((pos[id(o)] for o in inst.operands if id(o) in pos), default=-1)
+            chain = layout_chain(inst, users)
+            inside = {id(c) for c in chain}
+            lo = max((pos[id(o)] for c in (*chain, inst) for o in c.operands if id(o) in pos and id(o) not in inside),
+                     default=-1)
             hi = min((pos[id(u)] for u in users[inst]), default=len(comp.instructions))
             if inst is comp.root:
                 hi = len(comp.instructions)
@@ -166,14 +170,60 @@ def is_gemm(inst: Instruction) -> bool:
     return False
 
 
+def layout_chain(inst: Instruction, users) -> list[Instruction]:
+    """The layout ops (transpose, reshape, copy, convert) that only ``inst`` reads, transitively, in
+    def-before-use order: the transposed weight shard an FSDP all-gather reads moves with it."""
+    chain: list[Instruction] = []
+    members = {id(inst)}
+    stack = list(inst.operands)
+    while stack:
+        o = stack.pop()
+        readers = users.get(o, ())
+        if o.opcode in _LAYOUT and id(o) not in members and readers and all(id(u) in members for u in readers):
+            chain.append(o)
+            members.add(id(o))
+            stack.extend(o.operands)
+    return chain[::-1]
+
+
+def _users(insts: list[Instruction]) -> dict[Instruction, list[Instruction]]:
+    out: dict[Instruction, list[Instruction]] = {i: [] for i in insts}
+    for i in insts:
+        for o in i.operands:
+            if o in out:
+                out[o].append(i)
+    return out
+
+
+def _hoist_chains(insts: list[Instruction], starts: list[Instruction]) -> list[Instruction]:
+    """Move each start's layout chain right after the last instruction the chain reads (so the
+    schedule can issue the start there); the rest keeps its order."""
+    users = _users(insts)
+    out = list(insts)
+    for s in starts:
+        chain = layout_chain(s, users)
+        if not chain:
+            continue
+        inside = {id(c) for c in chain}
+        for c in chain:
+            out.remove(c)
+        pos = {id(i): k for k, i in enumerate(out)}
+        at = 1 + max((pos[id(o)] for c in chain for o in c.operands if id(o) not in inside and id(o) in pos),
+                     default=-1)
+        out[at:at] = chain
+    return out
+
+
 def bound_prefetch(insts: list[Instruction]) -> list[Instruction]:
     """``insts`` (scheduled) with every all-gather-start marked ``prefetch_dots: k`` moved down to just
     before the k-th GEMM preceding its done, where it sat earlier than that (never earlier: moving a
-    start later keeps its operands before it). Returns a new list."""
+    start later keeps its operands before it), together with its layout chain (``layout_chain``).
+    Returns a new list."""
     out = list(insts)
     starts = [i for i in out if i.opcode == "all-gather-start" and PREFETCH_KEY in i.attrs.get("backend_config", {})]
     if not starts:
         return out
+    users = _users(out)
     done_of = {id(i.operands[0]): i for i in out if i.opcode == "all-gather-done" and i.operands}
     for s in starts:
         done = done_of.get(id(s))
@@ -187,6 +237,10 @@ def bound_prefetch(insts: list[Instruction]) -> list[Instruction]:
             seen += is_gemm(out[t])
         if seen < k or t <= lo + 1:
             continue
-        out.pop(lo)
-        out.insert(t - 1, s)
+        anchor = out[t]
+        group = [*layout_chain(s, users), s]
+        for g in group:
+            out.remove(g)
+        k_at = out.index(anchor)
+        out[k_at:k_at] = group
     return out

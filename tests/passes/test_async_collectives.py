@@ -179,3 +179,20 @@ def test_comm_stream_follows_the_existing_streams():
 def test_bad_options(what):
     with pytest.raises(ValueError, match=what):
         AsyncCollectives(**{what: 0})
+
+
+def test_the_transposed_weight_shard_moves_with_its_prefetched_gather():
+    """An FSDP gather reads a transpose of the weight shard placed right before its use: the
+    transpose goes with the start (two GEMMs ahead), so the gather still overlaps."""
+    dots = [f"%h{k + 1} = f32[4,4] dot(%h{k}, %w), {DOT}" for k in range(4)]
+    src = _module(
+        ["h0: f32[4,4]", "w: f32[4,4]", "v: f32[4,2]"],
+        ["%h0 = f32[4,4] parameter(0)", "%w = f32[4,4] parameter(1)", "%v = f32[4,2] parameter(2)", *dots,
+         "%vt = f32[2,4] transpose(%v), dimensions={1,0}",
+         "%vg = f32[4,4] all-gather(%vt), dimensions={0}, replica_groups={{0,1}}",
+         f"ROOT %y = f32[4,4] dot(%h4, %vg), {DOT}"],
+        "f32[4,4]")
+    _, mod = run_pass_checked(_AsyncThenSchedule(), src)
+    order = [i.name for i in mod.entry.instructions]
+    assert order.index("vt") + 1 == order.index("vg-start") == order.index("h3") - 1, order
+    assert order.index("vg") == order.index("y") - 1
