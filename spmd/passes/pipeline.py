@@ -2,8 +2,8 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → simplify → cse → sink-scale → windowed-einsum
-           → merge-dots → fuse-attention → hoist-weights → split-batch → combine-collectives
+    import → propagate-sharding → spmd-partition → simplify → cse → all-reduce-reuse → sink-scale
+           → windowed-einsum → merge-dots → fuse-attention → hoist-weights → split-batch → combine-collectives
            → fuse-elementwise → assign-streams → async-collectives → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
@@ -34,9 +34,9 @@ from spmd.passes.combine_collectives import DEFAULT_BUCKET_SIZE_BYTES, check_buc
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "sink-scale", "windowed-einsum",
-          "merge-dots", "fuse-attention", "hoist-weights", "split-batch", "combine-collectives", "fuse-elementwise",
-          "assign-streams", "async-collectives", "schedule")
+STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "all-reduce-reuse", "sink-scale",
+          "windowed-einsum", "merge-dots", "fuse-attention", "hoist-weights", "split-batch", "combine-collectives",
+          "fuse-elementwise", "assign-streams", "async-collectives", "schedule")
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,7 @@ class PipelineResult:
 
 def build_passes(options: CompileOptions) -> list:
     """The pass objects for ``options``, in run order."""
+    from spmd.passes.all_reduce_reuse import AllReduceReuse
     from spmd.passes.assign_streams import AssignStreams
     from spmd.passes.async_collectives import AsyncCollectives
     from spmd.passes.combine_collectives import CombineCollectives
@@ -203,6 +204,7 @@ def build_passes(options: CompileOptions) -> list:
         SpmdPartition(dot_gather_discount=discount),
         Simplify(),
         CSE(),
+        AllReduceReuse(),
         SinkScale(enabled=options.windowed_einsum != "off"),
         WindowedEinsum(**we_kwargs),
         MergeDots(enabled=options.merge_dots),
