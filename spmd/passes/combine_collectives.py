@@ -166,7 +166,7 @@ def _combine(comp: Computation, bucket: _Bucket, names: NameSet) -> None:
         attrs["dimensions"] = (0,)
     combined = op(first.opcode, Shape(dtype, (1, total) if rs else (total,)), [cat], f"{first.name}.bucket",
                   **attrs)
-    combined.sharding, combined.stream_id = first.sharding, first.stream_id
+    combined.stream_id = first.stream_id
     off = 0
     results = []
     for m, f in zip(bucket.members, flats, strict=True):
