@@ -26,6 +26,12 @@ computation holding it, like XLA's generic async wrapping)::
     %dx.rs = f32[4,16] async-done(%dx.rs-start), stream_id=1
     %dw = f32[32,16] dot(%dy, %x), ..., stream_id=0
 
+Layout ops (transpose, reshape, copy, convert) around a picked collective move with it: the
+ones only it reads (the transposed shard of an FSDP weight) are hoisted to where their own
+operands are ready, and the ones reading its result (the ``[B*S, H]`` view of a gathered saved
+activation) sink to their first real reader, so the window is measured between real
+producers and consumers.
+
 An all-gather-start carries ``backend_config={"prefetch_dots": k}``: ``schedule`` issues it no
 earlier than ``k`` GEMMs before its done (``bound_prefetch``), so an FSDP parameter or a saved
 activation is gathered one layer ahead rather than all at the start of the step (the memory
@@ -91,7 +97,8 @@ class AsyncCollectives:
         for inst in out:
             inst.operands = [repl.get(id(o), o) for o in inst.operands]
         comp.root = repl.get(id(comp.root), comp.root)
-        comp.instructions = _hoist_chains(out, [repl[k].operands[0] for k in picked])
+        out = _hoist_chains(out, [repl[k].operands[0] for k in picked])
+        comp.instructions = _sink_layout_users(out, [repl[k] for k in picked], comp.root)
         return module
 
     def _picked(self, comp: Computation) -> set[int]:
@@ -111,8 +118,9 @@ class AsyncCollectives:
             inside = {id(c) for c in chain}
             lo = max((pos[id(o)] for c in (*chain, inst) for o in c.operands if id(o) in pos and id(o) not in inside),
                      default=-1)
-            hi = min((pos[id(u)] for u in users[inst]), default=len(comp.instructions))
-            if inst is comp.root:
+            layout, real = layout_users(inst, users)
+            hi = min((pos[id(u)] for u in real), default=len(comp.instructions))
+            if inst is comp.root or comp.root in layout:
                 hi = len(comp.instructions)
             if gemm_before[hi] - gemm_before[lo + 1] >= self.min_overlap_dots:
                 picked.add(id(inst))
@@ -184,6 +192,44 @@ def layout_chain(inst: Instruction, users) -> list[Instruction]:
             members.add(id(o))
             stack.extend(o.operands)
     return chain[::-1]
+
+
+def layout_users(inst: Instruction, users) -> tuple[list[Instruction], list[Instruction]]:
+    """(the layout ops reading ``inst`` transitively, through layout ops only; the other readers of
+    ``inst`` and of those layout ops): a saved activation's gather and its reshape can both wait
+    until the backward reads the reshape."""
+    layout: list[Instruction] = []
+    real: list[Instruction] = []
+    seen: set[int] = set()
+    stack = list(users.get(inst, ()))
+    while stack:
+        u = stack.pop()
+        if id(u) in seen:
+            continue
+        seen.add(id(u))
+        if u.opcode in _LAYOUT:
+            layout.append(u)
+            stack.extend(users.get(u, ()))
+        else:
+            real.append(u)
+    return layout, real
+
+
+def _sink_layout_users(insts: list[Instruction], dones: list[Instruction], root: Instruction) -> list[Instruction]:
+    """Move the layout ops reading each done (transitively) down to just before their first reader, so
+    the schedule waits at the done only where a real consumer needs it."""
+    out = list(insts)
+    users = _users(out)
+    for done in dones:
+        layout, _ = layout_users(done, users)
+        if root in layout:
+            continue
+        order = {id(i): k for k, i in enumerate(out)}
+        for lay in sorted(layout, key=lambda i: order[id(i)], reverse=True):  # readers first
+            out.remove(lay)
+            at = min((out.index(u) for u in users[lay]), default=len(out))
+            out.insert(at, lay)
+    return out
 
 
 def _users(insts: list[Instruction]) -> dict[Instruction, list[Instruction]]:

@@ -196,3 +196,20 @@ def test_the_transposed_weight_shard_moves_with_its_prefetched_gather():
     order = [i.name for i in mod.entry.instructions]
     assert order.index("vt") + 1 == order.index("vg-start") == order.index("h3") - 1, order
     assert order.index("vg") == order.index("y") - 1
+
+
+def test_a_saved_activation_gather_and_its_reshape_wait_for_the_backward():
+    """The gather of a saved shard is flattened right away but read only by the weight gradient at
+    the end: the reshape moves down to that dot, so the gather is issued two GEMMs before it."""
+    dots = [f"%h{k + 1} = f32[4,4] dot(%h{k}, %w), {DOT}" for k in range(4)]
+    src = _module(
+        ["h0: f32[4,4]", "w: f32[4,4]", "xs: f32[1,2,4]"],
+        ["%h0 = f32[4,4] parameter(0)", "%w = f32[4,4] parameter(1)", "%xs = f32[1,2,4] parameter(2)",
+         "%x = f32[1,4,4] all-gather(%xs), dimensions={1}, replica_groups={{0,1}}",
+         "%xv = f32[4,4] reshape(%x)", *dots,
+         "ROOT %dw = f32[4,4] dot(%xv, %h4), lhs_contracting_dims={0}, rhs_contracting_dims={0}"],
+        "f32[4,4]")
+    _, mod = run_pass_checked(_AsyncThenSchedule(), src)
+    order = [i.name for i in mod.entry.instructions]
+    assert order.index("x-start") == order.index("h3") - 1, order
+    assert order.index("x") + 2 == order.index("xv") + 1 == order.index("dw"), order
