@@ -226,3 +226,38 @@ def test_windowed_einsum_through_reshapes_in_a_sequence_parallel_gpt_layer(devic
     module, n = ts.lowered.result.module, int(devices[4:])
     program = lower_mod.lower(module, [torch.device("cpu")] * n, list(range(n)), assign_buffers(module), gpu=True)
     assert find_hazards(program) == []
+
+
+def test_dp_times_tp_with_fsdp_and_sequence_parallel_on_a_2d_mesh():
+    """dp=2 x tp=2: windowed einsum on the tp groups ({{0,1},{2,3}}), FSDP gathers / reduce-scatters
+    and bucketed gradient reductions on the dp groups, all async where a GEMM hides them."""
+    from spmd.models.gpt import gpt3_layers
+    from spmd.models.plans import gpt_plan
+
+    def model():
+        return gpt3_layers(1, small=True, hidden_size=16, num_heads=4, ffn_size=32, seed=0).train().requires_grad_()
+
+    g = torch.Generator().manual_seed(4)
+    batches = [{"x": torch.randn(4, 8, 16, generator=g), "y": torch.randn(4, 8, 16, generator=g)}
+               for _ in range(STEPS)]
+    ref = model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-4, foreach=False)
+    ts = make_train_step(model(), Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4"), gpt_plan(sequence_parallel=True),
+                         _loss, optimizer=AdamW(lr=1e-2, weight_decay=0.1, eps=1e-4), fsdp=True,
+                         options=CompileOptions(windowed_einsum="on", bucket_size_bytes=4096))
+    for k, b in enumerate(batches):
+        opt.zero_grad()
+        loss = _loss(ref, b)
+        loss.backward()
+        opt.step()
+        got, want = float(ts.step(b)["loss"]), loss.item()
+        assert abs(got - want) <= 1e-5 * abs(want), (k, got, want)
+    sd = ts.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(sd[f"param.{name}"], p.detach(), rtol=0, atol=1e-4, msg=name)
+    module = ts.lowered.result.module
+    assert _windowed_sites(module)
+    starts = [i for i in module.entry.instructions if i.opcode in ASYNC_START_OPCODES and "calls" not in i.attrs]
+    assert {i.opcode for i in starts} >= {"all-gather-start", "collective-permute-start"}
+    program = lower_mod.lower(module, [torch.device("cpu")] * 4, list(range(4)), assign_buffers(module), gpu=True)
+    assert find_hazards(program) == []
