@@ -2,9 +2,9 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → simplify → cse → all-reduce-reuse → sink-scale
-           → windowed-einsum → merge-dots → fuse-attention → hoist-weights → split-batch → combine-collectives
-           → fuse-elementwise → assign-streams → async-collectives → schedule
+    import → propagate-sharding → spmd-partition → simplify → cse → reduce-scatter-creator
+           → all-reduce-reuse → sink-scale → windowed-einsum → merge-dots → fuse-attention → hoist-weights
+           → split-batch → combine-collectives → fuse-elementwise → assign-streams → async-collectives → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
 (values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
@@ -34,9 +34,9 @@ from spmd.passes.combine_collectives import DEFAULT_BUCKET_SIZE_BYTES, check_buc
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "all-reduce-reuse", "sink-scale",
-          "windowed-einsum", "merge-dots", "fuse-attention", "hoist-weights", "split-batch", "combine-collectives",
-          "fuse-elementwise", "assign-streams", "async-collectives", "schedule")
+STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "reduce-scatter-creator",
+          "all-reduce-reuse", "sink-scale", "windowed-einsum", "merge-dots", "fuse-attention", "hoist-weights",
+          "split-batch", "combine-collectives", "fuse-elementwise", "assign-streams", "async-collectives", "schedule")
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,7 @@ def build_passes(options: CompileOptions) -> list:
     from spmd.passes.hoist_weights import HoistWeights
     from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
+    from spmd.passes.reduce_scatter_creator import ReduceScatterCreator
     from spmd.passes.schedule import Schedule
     from spmd.passes.simplify import Simplify
     from spmd.passes.sink_scale import SinkScale
@@ -204,6 +205,7 @@ def build_passes(options: CompileOptions) -> list:
         SpmdPartition(dot_gather_discount=discount),
         Simplify(),
         CSE(),
+        ReduceScatterCreator(),
         AllReduceReuse(),
         SinkScale(enabled=options.windowed_einsum != "off"),
         WindowedEinsum(**we_kwargs),

@@ -21,6 +21,7 @@ def test_bad_async_collectives():
 def test_passes_follow_the_options():
     names = [p.name for p in build_passes(CompileOptions())]
     assert names == [s for s in STAGES if s != "import"]
+    assert names.index("cse") < names.index("reduce-scatter-creator") < names.index("all-reduce-reuse")
     assert names.index("all-reduce-reuse") < names.index("sink-scale") < names.index("windowed-einsum")
     assert names.index("split-batch") < names.index("combine-collectives") < names.index("fuse-elementwise")
     assert names.index("assign-streams") < names.index("async-collectives") < names.index("schedule")

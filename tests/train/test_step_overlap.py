@@ -96,17 +96,18 @@ def _windowed_sites(module) -> list[str]:
 
 @pytest.mark.parametrize("n, optimizer", [(2, _sgd), (4, _adamw)])
 def test_windowed_einsum_on_the_backward_dots_of_a_sequence_parallel_mlp(n, optimizer):
-    """Tokens sharded on tp (sequence parallel), weights Megatron-split: the forward all-gather, the
-    all-gather of dY for the row-parallel layer's dgrad, and both weight gradients' reduce-scatters
-    (after sink-scale moves SGD's lr past them) become windowed einsums; numerics equal eager."""
+    """Tokens sharded on tp (sequence parallel), weights Megatron-split: the forward all-gather and
+    reduce-scatter, the all-gather of dY for the row-parallel layer's dgrad, and both weight
+    gradients' reduce-scatters become windowed einsums; numerics equal eager."""
     ts = _run(_megatron_mlp, Mesh.create(("tp",), devices=f"cpu:{n}"), MEGATRON_PLAN, *optimizer(), dp_axis="tp",
               options=CompileOptions(windowed_einsum="on"))
-    # addmm: forward x all-gather -> fc1; mm: all-gather of dY -> row-parallel dgrad (dY @ W2);
-    # mm_3 / mm_1: the fc1 / fc2 weight gradients -> reduce-scatter (SGD: once lr is moved past them)
+    # addmm: forward x all-gather -> fc1; addmm_1: fc2 -> reduce-scatter to the token shards (the
+    # partitioner's all-reduce + slice, made a reduce-scatter by reduce-scatter-creator); mm: all-gather
+    # of dY -> row-parallel dgrad (dY @ W2); mm_3 / mm_1: the fc1 / fc2 weight gradients ->
+    # reduce-scatter (SGD: once sink-scale moves lr past them; AdamW: the partitioner also all-reduces
+    # each weight gradient for grad**2, which all-reduce-reuse makes an all-gather of the reduce-scatter)
     sites = [s.split(".")[0] for s in _windowed_sites(ts.lowered.result.module)]
-    # (AdamW: the partitioner also all-reduces each weight gradient for grad**2; all-reduce-reuse
-    # makes that an all-gather of the reduce-scatter, so the dot keeps one user)
-    assert sites == ["addmm", "mm", "mm_3", "mm_1"]
+    assert sites == ["addmm", "addmm_1", "mm", "mm_3", "mm_1"]
     assert "reduce-scatter" not in {s.opcode for s in summarize_collectives(ts.lowered.as_text("windowed-einsum"))}
 
 
