@@ -14,7 +14,7 @@ def _module(p: int, mesh: str, groups: str, offset: list[str], extra_user: bool 
     g = p // 2 if groups.count("{") > 2 else p  # devices per group: 2 on the 2-d meshes below
     rows = 8 // g
     root = "ROOT %ds" if not extra_user else "%ds"
-    tail = [] if not extra_user else ["ROOT %out = (f32[{r},4], f32[8,4]) tuple(%ds, %y)".format(r=rows)]
+    tail = [] if not extra_user else [f"ROOT %out = (f32[{rows},4], f32[8,4]) tuple(%ds, %y)"]
     body = ["%dh = f32[8,5] parameter(0)", "%w = f32[5,4] parameter(1)", "%b = f32[4] parameter(2)",
             "%mm = f32[8,4] dot(%dh, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
             f"%ar = f32[8,4] all-reduce(%mm), to_apply=%add, replica_groups={groups}",
