@@ -19,8 +19,10 @@ after::
     %ds.in1 = f32[8,16] dynamic-slice(%bias.b, %off, %zero), dynamic_slice_sizes={8,16}
     %ds = f32[8,16] add(%ds.rs, %ds.in1)
 
-``f`` is a chain of elementwise ops, each the only reader of the previous one (the all-reduce
-too), whose other operands are sliced the same way. The offsets are checked by evaluating them
+``f`` is a chain of elementwise ops and reshapes (the ``[B*S, H]`` → ``[B, S, H]`` view of a
+linear layer's output), each the only reader of the previous one (the all-reduce too); the
+reduce-scatter reads the all-reduce's operand reshaped to the sliced value's dims, and the
+elementwise ops' other operands are reshaped and sliced the same way. The offsets are checked by evaluating them
 on every device (they may depend on partition-id and constants only): along one dim, device
 ``g[k]`` of each replica group ``g`` must start at ``k * size`` with ``size * P`` the dim's
 length; every other start must be 0 on every device.
@@ -34,6 +36,8 @@ from typing import ClassVar
 from spmd.ir.builder import NameSet
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module, ancestor_ids
 from spmd.passes.windowed_einsum import stable_toposort
+
+_CHAIN = ELEMENTWISE_OPCODES | {"reshape"}  # ops between the all-reduce and the slice that commute with both
 
 
 @dataclass(frozen=True)
@@ -68,10 +72,11 @@ def _match(ds: Instruction, users, comp: Computation, module: Module):
         return None
     chain: list[Instruction] = []
     cur = ds.operands[0]
-    while cur.opcode in ELEMENTWISE_OPCODES and users[cur] == [chain[-1] if chain else ds] and cur is not comp.root:
+    while (cur.opcode in _CHAIN and users[cur] == [chain[-1] if chain else ds] and cur is not comp.root
+           and not cur.shape.is_tuple):
         chain.append(cur)
         ars = [o for o in cur.operands if o.opcode == "all-reduce"]
-        inner = [o for o in cur.operands if o.opcode in ELEMENTWISE_OPCODES and users[o] == [cur]]
+        inner = [o for o in cur.operands if o.opcode in _CHAIN and users[o] == [cur]]
         if len(ars) + len(inner) == 0 or (not ars and len(inner) > 1):
             return None
         cur = ars[0] if ars else inner[0]
@@ -79,7 +84,7 @@ def _match(ds: Instruction, users, comp: Computation, module: Module):
     reader = chain[-1] if chain else ds
     if ar.opcode != "all-reduce" or users[ar] != [reader] or ar is comp.root or len(ar.operands) != 1:
         return None
-    if reader.operands.count(ar) != 1 or any(o.shape.dims != ar.shape.dims for c in chain for o in c.operands):
+    if reader.operands.count(ar) != 1:
         return None
     reducer = ar.attrs.get("to_apply")
     if reducer is not None and reducer.root.opcode not in ("add", "maximum", "minimum", "multiply"):
@@ -134,20 +139,37 @@ def _evaluate(values: list[Instruction], comp: Computation, module: Module) -> l
 
 def _rewrite(comp: Computation, ds: Instruction, ar: Instruction, chain: list[Instruction], dim: int,
              names: NameSet) -> None:
+    """Reduce-scatter ``ar``'s operand (reshaped to ``ds``'s operand dims) and redo the elementwise ops
+    of ``chain`` on the shard, their other operands reshaped the same way and dynamic-sliced like ``ds``."""
+    full = ds.operands[0].shape.dims
+    new: list[Instruction] = []
+
+    def to_full(x: Instruction, base: str) -> Instruction:
+        if x.shape.dims == full:
+            return x
+        r = Instruction(names.fresh(base), "reshape", x.shape.with_dims(full), [x])
+        new.append(r)
+        return r
+
     attrs = {k: v for k, v in ar.attrs.items() if k not in ("channel_id", "backend_config")}
     attrs["dimensions"] = (dim,)
-    rs = Instruction(names.fresh(f"{ds.name}.rs"), "reduce-scatter", ds.shape.with_dtype(ar.shape.dtype),
-                     list(ar.operands), attrs, location=ar.location)
-    new, prev = [rs], ar
-    cur = rs
+    x = to_full(ar.operands[0], f"{ds.name}.operand")
+    rs = Instruction(names.fresh(f"{ds.name}.rs"), "reduce-scatter", ds.shape.with_dtype(ar.shape.dtype), [x], attrs,
+                     location=ar.location)
+    new.append(rs)
+    prev, cur = ar, rs
     for k, op in enumerate(chain):
+        if op.opcode == "reshape":
+            prev = op
+            continue
         operands = []
         for o in op.operands:
             if o is prev:
                 operands.append(cur)
                 continue
+            of = to_full(o, f"{ds.name}.in{k}.full")
             sliced = Instruction(names.fresh(f"{ds.name}.in{k}"), "dynamic-slice", ds.shape.with_dtype(o.shape.dtype),
-                                 [o, *ds.operands[1:]], {"dynamic_slice_sizes": ds.shape.dims})
+                                 [of, *ds.operands[1:]], {"dynamic_slice_sizes": ds.shape.dims})
             new.append(sliced)
             operands.append(sliced)
         nxt = Instruction(names.fresh(f"{op.name}.shard"), op.opcode, ds.shape.with_dtype(op.shape.dtype), operands,

@@ -37,7 +37,8 @@ into one buffer by dynamic-update-slices instead of a concatenate.
 
 One all-gather feeding several dots (Q, K, V projections) shares one ring. An all-gather read
 by a dot through a reshape that merges the gathered dim (``[B, S, H] -> [B*S, H]``) is handled
-by ``spmd.passes.windowed_einsum_reshape``. Any group
+by ``spmd.passes.windowed_einsum_reshape``, as is a dot whose result is split by a reshape
+(``[B*S, H] -> [B, S, H]``) before the reduce-scatter. Any group
 size P >= 2, any chunk size (bidirectional needs chunks of >= 2 rows), 2-d meshes
 (replica groups such as {{0,2},{1,3}}: a constant table maps partition-id to ``r``).
 A site whose dot, collective or any operand has no elements (an empty M, N or K) is
@@ -101,7 +102,8 @@ class WindowedEinsum:
                 from spmd.passes.windowed_einsum_reshape import match_ag_reshape
                 site = match_ag_reshape(inst, users, comp, n)
             if site is None and inst.opcode == "reduce-scatter":
-                site = _match_rs(inst, users, comp, n)
+                from spmd.passes.windowed_einsum_reshape import match_rs_reshape
+                site = _match_rs(inst, users, comp, n) or match_rs_reshape(inst, users, comp, n)
             choice = None if site is None else self._choose(site)
             if choice is None:
                 continue

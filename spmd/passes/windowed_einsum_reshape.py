@@ -24,6 +24,13 @@ after (one ring step shown)::
     ...
     %d = f32[16,32] reshape(%d.acc1)
 
+The reduce-scatter side is the mirror image: ``dot → reshape (splitting a dot dim) →
+reduce-scatter`` along a split piece (the sequence-parallel row-parallel output ``[B*S, H]`` viewed
+as ``[B, S, H]`` and scattered over S, or the column-parallel dgrad). Each ring step un-merges the
+operand(s) holding that dot dim, slices the destination chunk, merges back, runs the partial dot,
+reshapes it to the chunk's ``[B, S/P, H]`` and adds the accumulator received from the ring
+predecessor (``RsReshapeSite``).
+
 The merged dim may be a free dim of the dot or a batch dim; for a batch dim the other
 operand's batch dim is un-merged, dynamic-sliced to the chunk and merged again. One
 all-gather with one reshape user; the dots among the reshape's users that do not contract the
@@ -213,3 +220,95 @@ def _use(view: Instruction, dot: Instruction, merged: int) -> _ReshapeUse | None
         return None  # the merged dim is contracted (a weight gradient): it keeps the all-gather
     o, pair = found[0]
     return _ReshapeUse(dot, side, o, pair[1 - side])
+
+
+@dataclass(frozen=True)
+class RsReshapeSite:
+    """dot → reshape ``view`` (splitting dot dim ``first`` into view dims [first, last]) → reduce-scatter
+    ``rs`` over view dim ``dim``."""
+
+    rs: Instruction
+    view: Instruction
+    dot: Instruction
+    groups: tuple[tuple[int, ...], ...]
+    dim: int
+    first: int
+    last: int
+    collective: ClassVar[str] = "reduce-scatter"
+
+    @property
+    def p(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def chunk(self) -> int:
+        return self.rs.shape.dims[self.dim]
+
+    @property
+    def dtype(self) -> str:
+        return self.rs.shape.dtype
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.rs.shape.size_bytes
+
+    def gemms(self) -> list[GemmShape]:
+        m = self.dot.shape.dims[self.first]
+        return [GemmShape(m, _contract_numel(self.dot), self.dot.shape.numel // m if m else 0)]
+
+    def rewrite(self, em: _Emitter, comp: Computation, bidir: bool) -> None:
+        """The unidirectional ring (``bidir`` is ignored)."""
+        p, c, dot = self.p, self.chunk, self.dot
+        r = em.ring_index(self.groups)
+        (lane,) = _lanes(self.groups, c, False, rs=True)
+        full = tuple(self.view.shape.dims[self.first:self.last + 1])
+        part_group = tuple(c if k == self.dim else n for k, n in enumerate(full, start=self.first))
+        src = _dot_layout(dot)[self.first]
+        wide = [None if d is None else em.op("reshape", _expand(op.shape, d, full), [op],
+                                             f"{dot.name}.{'lhs' if k == 0 else 'rhs'}wide")
+                for k, (op, d) in enumerate(zip(dot.operands, src, strict=True))]
+        acc = None
+        for s in range(p):
+            recv = None
+            if acc is not None:
+                recv = em.op("collective-permute", acc.shape, [acc], f"{self.rs.name}.recv{s}",
+                             source_target_pairs=lane.pairs)
+            off = em.offset(r, lane, s, p, c, self.rs.name)
+            ops = [op if d is None else self._slice(em, op, w, d, len(full), off, s, k)
+                   for k, (op, w, d) in enumerate(zip(dot.operands, wide, src, strict=True))]
+            part = em.partial_dot(dot, ops, self.first, math.prod(part_group), f"{dot.name}.{s}", s)
+            part = em.op("reshape", _expand(part.shape, self.first, part_group), [part], f"{dot.name}.out{s}")
+            acc = part if recv is None else em.op("add", part.shape, [part, recv], f"{self.rs.name}.acc{s}")
+        _insert_before(comp, self.rs, em.new)
+        _replace(comp, self.rs, acc)
+        comp.instructions.remove(self.view)
+        comp.instructions.remove(dot)
+
+    def _slice(self, em: _Emitter, op: Instruction, wide: Instruction, d: int, width: int, off: Instruction, s: int,
+               k: int) -> Instruction:
+        """Operand ``op``'s dim ``d`` (merged like the dot's dim; ``wide`` un-merges it into ``width``
+        dims): the chunk sliced, merged back."""
+        side = "lhs" if k == 0 else "rhs"
+        part = em.dslice(wide, d + self.dim - self.first, off, self.chunk, f"{self.dot.name}.{side}in{s}")
+        return em.op("reshape", _with(op.shape, d, math.prod(part.shape.dims[d:d + width])), [part],
+                     f"{self.dot.name}.{side}{s}")
+
+
+def match_rs_reshape(rs: Instruction, users, comp: Computation, n: int) -> RsReshapeSite | None:
+    """The site of a reduce-scatter of a dot's result split by one reshape, else None."""
+    groups, dims, view = _groups(rs, n), rs.attrs.get("dimensions", ()), rs.operands[0]
+    reducer = rs.attrs.get("to_apply")
+    if groups is None or len(dims) != 1 or view.opcode != "reshape" or users[view] != [rs] or view is comp.root:
+        return None
+    dot = view.operands[0]
+    if dot.opcode != "dot" or users[dot] != [view] or dot is comp.root or MARK in dot.attrs.get("backend_config", {}):
+        return None
+    if (reducer is not None and reducer.root.opcode != "add") or _empty(dot) or rs.shape.numel == 0:
+        return None
+    split = _merged_group(view.shape.dims, dot.shape.dims)
+    dim = dims[0]
+    if split is None or not split[0] <= dim <= split[1]:
+        return None
+    if view.shape.dims[dim] != len(groups[0]) * rs.shape.dims[dim]:
+        return None
+    return RsReshapeSite(rs, view, dot, groups, dim, split[0], split[1])

@@ -81,3 +81,55 @@ def test_disabled():
     mod = parse_module(_module(2, "{tp=2}", "{{0,1}}", PID_TIMES_4))
     ReduceScatterCreator(enabled=False).run(mod)
     assert "all-reduce" in [i.opcode for i in mod.entry.instructions]
+
+
+RESHAPED = """HloModule m, num_partitions=2, mesh={tp=2}, is_partitioned=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b.0 = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b.0)
+}
+
+ENTRY %main (h: f32[8,5], w: f32[5,4], b: f32[4]) -> f32[2,2,4] {
+  %h = f32[8,5] parameter(0)
+  %w = f32[5,4] parameter(1)
+  %b = f32[4] parameter(2)
+  %mm = f32[8,4] dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar = f32[8,4] all-reduce(%mm), to_apply=%add, replica_groups={{0,1}}
+  %bb = f32[8,4] broadcast(%b), dimensions={1}
+  %y = f32[8,4] add(%ar, %bb)
+  %v = f32[2,4,4] reshape(%y)
+  %pid = u32[] partition-id()
+  %pid.s32 = s32[] convert(%pid)
+  %c2 = s32[] constant(2)
+  %off = s32[] multiply(%pid.s32, %c2)
+  %zero = s32[] constant(0)
+  ROOT %ds = f32[2,2,4] dynamic-slice(%v, %zero, %off, %zero), dynamic_slice_sizes={2,2,4}
+}
+"""
+
+
+class TestGoldenReshape(TestCase):
+    def test_sequence_parallel_output_through_the_batch_sequence_reshape(self):
+        """[B*S, H] row-parallel output + bias, viewed as [B, S, H], sliced to the sequence shard."""
+        text, _ = run_pass_checked(ReduceScatterCreator(), RESHAPED)
+        self.assertExpectedInline(text[text.index("ENTRY"):], """\
+ENTRY %main (h: f32[8,5], w: f32[5,4], b: f32[4]) -> f32[2,2,4] {
+  %h = f32[8,5] parameter(0)
+  %w = f32[5,4] parameter(1)
+  %b = f32[4] parameter(2)
+  %mm = f32[8,4] dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %bb = f32[8,4] broadcast(%b), dimensions={1}
+  %pid = u32[] partition-id()
+  %pid.s32 = s32[] convert(%pid)
+  %c2 = s32[] constant(2)
+  %off = s32[] multiply(%pid.s32, %c2)
+  %zero = s32[] constant(0)
+  %ds.operand = f32[2,4,4] reshape(%mm)
+  %ds.rs = f32[2,2,4] reduce-scatter(%ds.operand), dimensions={1}, to_apply=%add, replica_groups={{0,1}}
+  %ds.in0.full = f32[2,4,4] reshape(%bb)
+  %ds.in0 = f32[2,2,4] dynamic-slice(%ds.in0.full, %zero, %off, %zero), dynamic_slice_sizes={2,2,4}
+  ROOT %ds = f32[2,2,4] add(%ds.rs, %ds.in0)
+}
+""")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd.runtime.lower as lower_mod
-from spmd import Mesh
+from spmd import Mesh, NamedSharding, device_put
 from spmd import PartitionSpec as P
 from spmd.ir.hlo import ASYNC_START_OPCODES
 from spmd.parallelize import summarize_collectives
@@ -194,11 +194,13 @@ def test_dropping_the_wait_for_an_async_gradient_all_reduce_is_reported():
         assert find_hazards(racy), program.thunks[k].name
 
 
-@pytest.mark.parametrize("devices, batch", [("cpu:2", 2), ("cpu:4", 1)])
-def test_windowed_einsum_through_reshapes_in_a_sequence_parallel_gpt_layer(devices, batch):
+@pytest.mark.parametrize("devices, batch, seq_sharded", [("cpu:2", 2, False), ("cpu:4", 1, False), ("cpu:2", 2, True)])
+def test_windowed_einsum_through_reshapes_in_a_sequence_parallel_gpt_layer(devices, batch, seq_sharded):
     """gpt_plan(sequence_parallel=True): the gathered [B, S, H] activations reach the Q/K/V GEMMs
     through a [B*S, H] reshape (and attention's through [B*heads, ...]); they become windowed
-    einsums (the weight-gradient dots keep the all-gather); numerics equal eager."""
+    einsums (the weight-gradient dots keep the all-gather). With the batch's sequence dim on tp
+    (the residual stream sequence-sharded), the row-parallel outputs [B*S, H] -> [B, S/P, H] are
+    reduce-scattered (reduce-scatter-creator) and windowed too. Numerics equal eager."""
     from spmd.models.gpt import gpt3_layers
     from spmd.models.plans import gpt_plan
 
@@ -210,20 +212,25 @@ def test_windowed_einsum_through_reshapes_in_a_sequence_parallel_gpt_layer(devic
                for _ in range(STEPS)]
     ref = model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    ts = make_train_step(model(), Mesh.create(("tp",), devices=devices), gpt_plan(sequence_parallel=True), _loss,
+    mesh = Mesh.create(("tp",), devices=devices)
+    ts = make_train_step(model(), mesh, gpt_plan(sequence_parallel=True), _loss,
                          optimizer=SGD(lr=0.05, momentum=0.9), options=CompileOptions(windowed_einsum="on"))
+    place = NamedSharding(mesh, P(None, "tp"))
     for k, b in enumerate(batches):
         opt.zero_grad()
         loss = _loss(ref, b)
         loss.backward()
         opt.step()
-        got, want = float(ts.step(b)["loss"]), loss.item()
+        placed = {key: device_put(v, place) for key, v in b.items()} if seq_sharded else b
+        got, want = float(ts.step(placed)["loss"]), loss.item()
         assert abs(got - want) <= 1e-5 * abs(want), (k, got, want)
     sd = ts.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(sd[f"param.{name}"], p.detach(), rtol=0, atol=1e-4, msg=name)
     sites = {s.split(".")[0] for s in _windowed_sites(ts.lowered.result.module)}
     assert {"addmm", "addmm_1", "addmm_2"} <= sites, sites  # Q, K, V projections of the gathered input
+    if seq_sharded:  # attention out_proj and fc_out: dot -> [B, S/P, H] reduce-scatter
+        assert {"addmm_3", "addmm_5"} <= sites, sites
     module, n = ts.lowered.result.module, int(devices[4:])
     program = lower_mod.lower(module, [torch.device("cpu")] * n, list(range(n)), assign_buffers(module), gpu=True)
     assert find_hazards(program) == []
