@@ -27,8 +27,11 @@ of the view is a read of the underlying values at the reader's position and stre
 they stay live, across streams too, until the view's last reader.
 
 A dynamic-update-slice reuses the bytes of its operand 0 (in place) when it is
-that value's only reader (a read through a view counts as a reader). Groups that
-contain an output are left to the runtime.
+that value's only reader (a read through a view counts as a reader). An ``add``
+reuses the bytes of an operand of its shape whose every other access happens before
+it (XLA's elementwise buffer sharing): a residual sum accumulates in one buffer, and
+the runtime's addmm of a dot and that residual runs in place (cuBLAS accumulates into
+C) instead of copying C first. Groups that contain an output are left to the runtime.
 Placement is best-fit over the conflicting groups, largest first (in the spirit of
 tinygrad's memory planner). Keys are the names of the writing instructions: for an
 async-start, the instructions of its called computation; for a collective start,
@@ -100,6 +103,7 @@ class _Liveness:
         self.producer: dict[str, int] = {}        # value name -> position of its writer
         self.vc: list[dict[int, int]] = []        # per position: clock before the op runs
         self.inplace: list[tuple[str, Instruction]] = []  # (operand value, DUS writer)
+        self.accumulate: list[tuple[str, Instruction]] = []  # (operand value, add of its shape)
         self.folded = folded_instructions(self.comp)  # computed on the host by the lowering: no bytes, no op
         names = view_instructions(module)
         self.views = {id(i) for i in self.comp.instructions if i.name in names}
@@ -168,6 +172,11 @@ class _Liveness:
             self.src[id(inst)] = [inst.name]
             if op == "dynamic-update-slice" and len(self.src[id(inst.operands[0])]) == 1:
                 self.inplace.append((self.src[id(inst.operands[0])][0], inst))
+            elif op == "add":
+                # a single-use dot operand runs inside the runtime's addmm: the other operand is C
+                fused = [o for o in inst.operands if o.opcode == "dot" and len(users[o]) == 1]
+                self.accumulate += [(self.src[id(o)][0], inst) for o in inst.operands
+                                    if len(self.src[id(o)]) == 1 and o.shape == inst.shape and o not in fused]
         else:
             self.src[id(inst)] = []
         return reads
@@ -241,6 +250,12 @@ def _groups(live: _Liveness, outputs: set[str]) -> list[list[_Value]]:
         v, w = live.values[operand], live.values[dus.name]
         if len(v.readers) == 1 and v.readers[0] is dus and v.size == w.size:
             parent[find(dus.name)] = find(operand)
+    for operand, add in live.accumulate:
+        v, w = live.values[operand], live.values[add.name]
+        if add.name in outputs or operand in outputs or find(add.name) != add.name or v.size != w.size:
+            continue
+        if all(a == w.write or live.happens_before(a, w.write) for a in v.accesses):
+            parent[find(add.name)] = find(operand)
     groups: dict[str, list[_Value]] = {}
     for n, v in live.values.items():
         groups.setdefault(find(n), []).append(v)
