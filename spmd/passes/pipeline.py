@@ -2,7 +2,7 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
+    import → propagate-sharding → spmd-partition → simplify → cse → rematerialize → windowed-einsum
            → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise
            → assign-streams → schedule
 
@@ -33,7 +33,8 @@ from spmd.ir.verify import verify_module
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
+STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "rematerialize", "windowed-einsum",
+          "merge-dots",
           "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "assign-streams", "schedule")
 
 
@@ -64,10 +65,14 @@ class CompileOptions:
       split_batch_overlap: "auto" (the cost model decides), "on" or "off": run a row-separable
         tensor-parallel program as two interleaved batch halves so that one half's all-reduces run
         under the other half's GEMMs (``spmd.passes.split_batch``).
+      remat: activation recomputation (``spmd.passes.rematerialize``): "none" (default), "selective"
+        (recompute everything but matrix products, convolutions, gathers and communication at far
+        uses: PyTorch's selective activation checkpointing) or "full" (dots too: activation
+        checkpointing); recomputed values equal the kept ones, random values included.
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
-      ValueError: for an unknown ``windowed_einsum`` or ``split_batch_overlap`` mode, a
+      ValueError: for an unknown ``windowed_einsum``, ``split_batch_overlap`` or ``remat`` mode, a
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
         ``fuse_attention``, ``fuse_elementwise`` or ``hoist_weights`` not a bool (or None where
@@ -83,12 +88,15 @@ class CompileOptions:
     fuse_elementwise: bool = True
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
+    remat: str = "none"
     dump_dir: str | None = None
     verify: bool | None = None
 
     def __post_init__(self) -> None:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
+        if self.remat not in ("none", "selective", "full"):
+            raise ValueError(f"remat must be 'none', 'selective' or 'full', got {self.remat!r}")
         if self.split_batch_overlap not in ("auto", "on", "off"):
             raise ValueError(f"split_batch_overlap must be 'auto', 'on' or 'off', got {self.split_batch_overlap!r}")
         for name in ("bidirectional", "cuda_graphs", "verify"):
@@ -171,6 +179,7 @@ def build_passes(options: CompileOptions) -> list:
     from spmd.passes.hoist_weights import HoistWeights
     from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
+    from spmd.passes.rematerialize import Rematerialize
     from spmd.passes.schedule import Schedule
     from spmd.passes.simplify import Simplify
     from spmd.passes.split_batch import SplitBatch
@@ -188,6 +197,7 @@ def build_passes(options: CompileOptions) -> list:
         SpmdPartition(dot_gather_discount=discount),
         Simplify(),
         CSE(),
+        Rematerialize(mode=options.remat),
         WindowedEinsum(**we_kwargs),
         MergeDots(enabled=options.merge_dots),
         FuseAttention(enabled=options.fuse_attention),
