@@ -2,8 +2,8 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → simplify → cse → rematerialize → windowed-einsum
-           → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise
+    import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
+           → merge-dots → fuse-attention → hoist-weights → split-batch → rematerialize → fuse-elementwise
            → assign-streams → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
@@ -33,9 +33,9 @@ from spmd.ir.verify import verify_module
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "rematerialize", "windowed-einsum",
-          "merge-dots",
-          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "assign-streams", "schedule")
+STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
+          "fuse-attention", "hoist-weights", "split-batch", "rematerialize", "fuse-elementwise", "assign-streams",
+          "schedule")
 
 
 @dataclass(frozen=True)
@@ -197,12 +197,12 @@ def build_passes(options: CompileOptions) -> list:
         SpmdPartition(dot_gather_discount=discount),
         Simplify(),
         CSE(),
-        Rematerialize(mode=options.remat),
         WindowedEinsum(**we_kwargs),
         MergeDots(enabled=options.merge_dots),
         FuseAttention(enabled=options.fuse_attention),
         HoistWeights(enabled=options.hoist_weights),
         SplitBatch(mode=options.split_batch_overlap),
+        Rematerialize(mode=options.remat),
         FuseElementwise(enabled=options.fuse_elementwise),
         AssignStreams(**streams_kwargs),
         Schedule(),

@@ -28,8 +28,10 @@ Communication is never recomputed (a collective would run twice), nor are output
 operands, global element indices and its stream attribute (``spmd.ir.random``), so the copy
 equals the original bit for bit.
 
-The pass runs after cse (which would merge the copies back into the originals) on the
-partitioned entry computation and keeps its order; the copies get the names of their
+The pass runs on the partitioned entry computation after cse (which would merge the copies back
+into the originals) and merge-dots (which would merge a recomputed dot with the dots sharing its
+operands, live from the first of them), before fuse-elementwise (which then fuses the recomputed
+chains into their readers); it keeps the order of the original instructions; the copies get the names of their
 originals with a ``.remat<k>`` suffix and the originals' shardings and streams.
 """
 
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Instruction, Module
+from spmd.passes.folding import folded_instructions
 from spmd.passes.views import VIEW_OPCODES
 
 __all__ = ["MODES", "Rematerialize"]
@@ -86,7 +89,7 @@ class Rematerialize:
     mode: str = "none"
     min_gap: int = 16
     min_bytes: int = 1
-    max_chain: int = 24
+    max_chain: int = 64
     max_rounds: int = 64
 
     def __post_init__(self) -> None:
@@ -120,6 +123,7 @@ class _Remat:
                 if id(o) in self.readers:
                     self.readers[id(o)].append((k, inst))
         self.sites: dict[int, list[Instruction]] = {}   # position -> copies inserted before it
+        self.folded = folded_instructions(self.comp)
         self.names = names_of(module)
         root = self.comp.root
         self.outputs = {id(root)} | ({id(o) for o in root.operands} if root.opcode == "tuple" else set())
@@ -143,9 +147,10 @@ class _Remat:
         return sorted(acc)
 
     def bases(self) -> list[Instruction]:
-        """Values that own bytes: not parameters, constants, tuples or views."""
+        """Values that own bytes: not parameters, constants, folded values, tuples or views."""
         return [i for i in self.order if i.opcode not in ("parameter", "constant", "tuple", "get-tuple-element")
-                and i.opcode not in VIEW_OPCODES and not i.shape.is_tuple and i.shape.rank > 0]
+                and i.opcode not in VIEW_OPCODES and not i.shape.is_tuple and i.shape.rank > 0
+                and id(i) not in self.folded]
 
     def peak(self) -> tuple[int, list[tuple[Instruction, list[int]]]]:
         """The position where the most bytes are live, and the values with their accesses."""
@@ -225,8 +230,9 @@ class _Remat:
         self.readers[id(m)] = keep
 
     def _available(self, inst: Instruction, at: int) -> bool:
-        """Live at position ``at`` anyway: a parameter, a constant, or read at or after ``at``."""
-        if inst.opcode in ("parameter", "constant"):
+        """Live at position ``at`` anyway: a parameter, a value the lowering folds (constants, small
+        iotas and masks: persistent), or a value read at or after ``at``."""
+        if inst.opcode in ("parameter", "constant") or id(inst) in self.folded:
             return True
         rs = self.readers.get(id(inst), ())
         return self.pos.get(id(inst), at + 1) <= at and max((k for k, _ in rs), default=-1) >= at
