@@ -117,6 +117,11 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
             if args.device == "cuda":
                 peak[v] = max(0.0 if peak[v] != peak[v] else peak[v], torch.cuda.max_memory_allocated() / 2**30)
         log(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in steps))
+    if args.profile and args.device == "cuda":
+        from benchmarks.gpu_kernels import print_kernels
+
+        for v, step in steps.items():
+            print_kernels(f"train {v}", step, calls=2, top=args.profile)
     planned = {v: getattr(step, "planned_peak_gib", lambda: float("nan"))() for v, step in steps.items()}
     return {v: {"ms": statistics.median(times[v]), "peak_gib": peak[v], "planned_gib": planned[v]} for v in steps}
 
@@ -160,6 +165,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="after timing, print each variant's TOP longest kernels per step (CUDA only)")
     ap.add_argument("--doc", default=None, help="append the row set to this markdown file (docs/benchmarks.md)")
     args = ap.parse_args(argv)
     args.batch = args.batch or (1 if args.small else 2)

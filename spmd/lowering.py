@@ -211,7 +211,7 @@ def lower_function(jitted, args: tuple):
 
     donated = donated_leaves(jitted.donate_argnums, arg_tree, static)
     weights = frozenset(donated_leaves(jitted.weight_argnums, arg_tree, static)) - frozenset(donated)
-    result = run_pipeline(module, jitted.options, weights=weights)
+    result = run_pipeline(module, jitted.options, weights=weights, process_ids=tuple(mesh.process_ids))
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered

@@ -21,7 +21,8 @@ UP = "layers.1.mlp.up_proj.weight"
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
 def _model_and_mesh(mesh_spec):
