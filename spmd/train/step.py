@@ -285,7 +285,8 @@ def make_train_step(
       clip_grad_norm: clip gradients to this global 2-norm (``torch.nn.utils.clip_grad_norm_``).
       compute_dtype: mixed precision: run forward and backward in this floating dtype (e.g.
         ``torch.bfloat16``) with the parameters and optimizer state kept in their own dtype.
-      options: ``CompileOptions``.
+      options: ``CompileOptions`` (``remat="selective"`` / ``"full"``: activation recomputation,
+        ``spmd.passes.rematerialize``; ``TrainStep.memory_analysis()`` reports the peak).
     Returns:
       A ``TrainStep``; its first ``step(batch)`` compiles.
     Raises:
