@@ -173,7 +173,7 @@ class _Remat:
         """Recompute the values live across the peak that the policy allows; whether any was."""
         at, values = self.peak()
         changed = False
-        for b, acc in sorted(values, key=lambda v: -v[0].shape.size_bytes):
+        for b, acc in sorted(values, key=lambda v: (-v[0].shape.size_bytes, v[1][0])):  # big, then early first
             if acc[0] < at < acc[-1] and at not in acc:
                 changed |= self._try(b, at)
         if changed:
