@@ -43,6 +43,7 @@ from typing import ClassVar
 
 from spmd.ir.builder import Builder
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module
+from spmd.passes.cse import cse_computation
 from spmd.passes.folding import folded_instructions
 
 #: ``random`` (spmd.ir.random) is int64 arithmetic that wraps modulo 2**64; Inductor's generated
@@ -118,7 +119,17 @@ class FuseElementwise:
             _outline(module, builder, comp, group)
         if groups:
             comp.remove_dead()
+            # equal chains (each layer's position arithmetic, say) became equal fusions: keep one
+            cse_computation(comp, merge_scalar_broadcasts=True, structural_calls=True)
+            _drop_unused_computations(module)
         return module
+
+
+def _drop_unused_computations(module: Module) -> None:
+    """Forget fused computations no instruction calls any more (their fusions were merged)."""
+    called = {id(v) for c in module.all_computations() for i in c.instructions for v in i.attrs.values()
+              if isinstance(v, Computation)}
+    module.computations[:] = [c for c in module.computations if id(c) in called]
 
 
 @dataclass
