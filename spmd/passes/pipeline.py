@@ -3,7 +3,7 @@
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
     import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
-           → merge-dots → fuse-attention → hoist-weights → split-batch → rematerialize → fuse-elementwise
+           → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise → rematerialize
            → select-all-reduce → assign-streams → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
@@ -34,7 +34,7 @@ from spmd.ir.verify import verify_module
 HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
-          "fuse-attention", "hoist-weights", "split-batch", "rematerialize", "fuse-elementwise",
+          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "rematerialize",
           "select-all-reduce", "assign-streams", "schedule")
 
 
@@ -219,8 +219,8 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
         FuseAttention(enabled=options.fuse_attention),
         HoistWeights(enabled=options.hoist_weights),
         SplitBatch(mode=options.split_batch_overlap),
-        Rematerialize(mode=options.remat),
         FuseElementwise(enabled=options.fuse_elementwise),
+        Rematerialize(mode=options.remat),
         SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
                         process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),

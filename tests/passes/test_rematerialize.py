@@ -55,7 +55,8 @@ def _peak_bytes(text: str) -> int:
 
 class TestGolden(TestCase):
     def test_recomputes_values_live_across_the_peak(self):
-        text, _ = run_pass_checked(Rematerialize(mode="selective", min_gap=2, max_rounds=1), FWD_BWD, exact=True)
+        text, _ = run_pass_checked(Rematerialize(mode="selective", min_gap=2, max_rounds=1, max_copies=2), FWD_BWD,
+                                   exact=True)
         # Peak at %e: %a and %b are live across it and read again after it; %a is recomputed from
         # the parameter %x at %g, %b at %h (from a second copy of %a: the first is dead by then).
         # %c is read right after the peak (a gap of 2): kept.
@@ -78,6 +79,11 @@ ENTRY %main (x: f32[64], w: f32[64]) -> f32[64] {
   ROOT %h = f32[64] add(%g, %b.remat0)
 }
 """)
+
+    def test_one_copy_per_instruction_by_default(self):
+        # %a may be recomputed once: for %g; %b would need a second copy of %a, so it is kept.
+        text, _ = run_pass_checked(Rematerialize(mode="selective", min_gap=2, max_rounds=1), FWD_BWD, exact=True)
+        assert text.count("exponential(%x)") == 2 and "b.remat" not in text
 
     def test_selective_keeps_dots_full_recomputes_them(self):
         selective, _ = run_pass_checked(Rematerialize(mode="selective", min_gap=2), DOT, exact=True)

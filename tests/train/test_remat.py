@@ -54,17 +54,20 @@ def _train(mesh, remat, batches, plan=None):
     return ts, losses
 
 
-@pytest.mark.parametrize("mesh_axes, devices, plan, modes", [
-    (("dp",), "cpu:1", None, ("selective", "full")),
-    (("dp",), "cpu:2", None, ("full",)),
-    (("dp",), "cpu:4", None, ("selective",)),
-    ({"dp": 2, "tp": 2}, "cpu:4", "gpt", ("full",)),
+@pytest.mark.parametrize("mesh_axes, devices, plan, modes, batch, seq", [
+    (("dp",), "cpu:1", None, ("selective", "full"), 4, 16),
+    (("dp",), "cpu:2", None, ("selective",), 4, 16),
+    (("dp",), "cpu:4", None, ("full",), 8, 32),
+    ({"dp": 2, "tp": 2}, "cpu:4", "gpt", ("full",), 4, 16),
 ])
-def test_remat_steps_equal_eager_and_no_remat(mesh_axes, devices, plan, modes):
-    """Against eager + torch.optim everywhere; against the same step without remat on cpu:1 (tighter)."""
+def test_remat_steps_equal_eager_and_no_remat(mesh_axes, devices, plan, modes, batch, seq):
+    """Against eager + torch.optim everywhere; against the same step without remat on cpu:1 (tighter).
+
+    (A per-device batch of one sequence of 16 on cpu:4 has its peak in the optimizer update, where
+    nothing can be recomputed: the pass then leaves the program as it is.)"""
     mesh = Mesh.create(mesh_axes, devices=devices)
     plan = gpt_plan() if plan else None
-    batches = _batches(STEPS, 4, 16)
+    batches = _batches(STEPS, batch, seq)
     want_losses, want_params = _reference(batches)
     plain = _train(mesh, "none", batches, plan) if devices == "cpu:1" else None
     for mode in modes:
@@ -94,6 +97,14 @@ class _DropoutMLP(nn.Module):
         return self.fc3(h)
 
 
+def _draws(inst) -> bool:
+    """Whether ``inst`` is a ``random`` custom call or a fusion containing one."""
+    if inst.opcode == "custom-call":
+        return inst.attrs.get("custom_call_target") == "random"
+    body = inst.attrs.get("calls") if inst.opcode == "fusion" else None
+    return body is not None and any(_draws(b) for b in body.instructions)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_dropout_masks_are_recomputed_bit_for_bit(n):
     mesh = Mesh.create(("dp",), devices=f"cpu:{n}")
@@ -105,8 +116,8 @@ def test_dropout_masks_are_recomputed_bit_for_bit(n):
                              options=CompileOptions(remat=mode))
         torch.manual_seed(5)  # the per-call random keys
         runs[mode] = ([float(ts.step(b)["loss"]) for b in batches], ts.state_dict(), ts)
-    text = runs["full"][2].lowered.as_text("rematerialize")
-    assert 'custom_call_target="random"' in text.split(".remat", 1)[1]  # a random op was recomputed
+    copies = [i for i in runs["full"][2].lowered.result.module.entry.instructions if ".remat" in i.name]
+    assert any(_draws(i) for i in copies)  # a dropout mask was recomputed
     # Equal masks: a different mask changes the gradients (and every later loss) by far more than rounding.
     for got, want in zip(runs["full"][0], runs["none"][0]):
         assert abs(got - want) <= 1e-6 * abs(want), (runs["full"][0], runs["none"][0])
