@@ -69,6 +69,9 @@ class CompileOptions:
         (recompute everything but matrix products, convolutions, gathers and communication at far
         uses: PyTorch's selective activation checkpointing) or "full" (dots too: activation
         checkpointing); recomputed values equal the kept ones, random values included.
+      remat_max_copies: how many times remat may recompute one instruction (1: at most one extra
+        forward, the cost of activation checkpointing; more copies lower the peak further for more
+        compute).
       small_all_reduce: "auto" (the cost model decides per program), "on" or "off": run all-reduces
         of at most ``small_all_reduce_max_bytes`` per device as a one-shot reduction (every device
         copies the group's operands into fixed staging buffers and reduces them locally) instead
@@ -96,6 +99,7 @@ class CompileOptions:
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
     remat: str = "none"
+    remat_max_copies: int = 1
     small_all_reduce: str = "auto"
     small_all_reduce_max_bytes: int = 512 * 1024
     dump_dir: str | None = None
@@ -106,6 +110,9 @@ class CompileOptions:
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
         if self.remat not in ("none", "selective", "full"):
             raise ValueError(f"remat must be 'none', 'selective' or 'full', got {self.remat!r}")
+        c = self.remat_max_copies
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise ValueError(f"remat_max_copies must be an int >= 1, got {c!r}")
         if self.split_batch_overlap not in ("auto", "on", "off"):
             raise ValueError(f"split_batch_overlap must be 'auto', 'on' or 'off', got {self.split_batch_overlap!r}")
         if self.small_all_reduce not in ("auto", "on", "off"):
@@ -220,7 +227,7 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
         HoistWeights(enabled=options.hoist_weights),
         SplitBatch(mode=options.split_batch_overlap),
         FuseElementwise(enabled=options.fuse_elementwise),
-        Rematerialize(mode=options.remat),
+        Rematerialize(mode=options.remat, max_copies=options.remat_max_copies),
         SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
                         process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),

@@ -151,3 +151,5 @@ def test_none_leaves_the_module_alone_and_options_are_checked():
         Rematerialize(mode="full", min_gap=-1)
     with pytest.raises(ValueError, match="remat must be"):
         CompileOptions(remat="layers")
+    with pytest.raises(ValueError, match="remat_max_copies"):
+        CompileOptions(remat="full", remat_max_copies=0)
