@@ -7,7 +7,8 @@ One step = forward, MSE loss against a fixed target, backward, AdamW update (wei
 all three in the same dtype (bfloat16 on CUDA by default, float32 on CPU): PyTorch eager with
 ``torch.optim.AdamW(foreach=True)``, the same under ``torch.compile`` (model and loss compiled,
 optimizer step compiled with ``torch.compile`` too), and ``spmd.train.make_train_step`` on a
-one-device mesh (params and optimizer state donated). Variants are timed in interleaved rounds
+one-device mesh (params and optimizer state donated; attention forward and backward as fused
+kernels, or as dots and a softmax in the ``spmd-math`` variant). Variants are timed in interleaved rounds
 (round r runs every variant once, ``--steps`` timed steps each, after warm-up), so drift of the
 machine hits all of them alike; the median step time over rounds is reported, with peak device
 memory (CUDA ``max_memory_allocated`` over the timed steps, reset per variant) and, for the spmd
@@ -30,8 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("eager", "compile", "spmd", "spmd-remat")
-DEFAULT_VARIANTS = ("eager", "compile", "spmd")
+VARIANTS = ("eager", "compile", "spmd", "spmd-math", "spmd-remat")
+DEFAULT_VARIANTS = ("eager", "compile", "spmd")  # spmd-math, spmd-remat: on request
 
 
 def build_model(args):
@@ -66,15 +67,16 @@ def _torch_step(model, x, y, compiled: bool) -> Callable[[], None]:
     return step
 
 
-def _spmd_step(model, x, y, device: str, remat: str = "none") -> Callable[[], None]:
+def _spmd_step(model, x, y, device: str, fused_attention: bool = True,
+               remat: str = "none") -> Callable[[], None]:
     """The spmd step as a closure; its ``planned_peak_gib()`` is the compiled step's planned peak (GiB)."""
-    from spmd import Mesh
-    from spmd.passes.pipeline import CompileOptions
+    from spmd import CompileOptions, Mesh
     from spmd.train import AdamW, make_train_step
 
     mesh = Mesh.create(("dp",), devices=f"{device}:1")
     ts = make_train_step(model, mesh, None, lambda apply, b: F.mse_loss(apply(b["x"]), b["y"]),
-                         optimizer=AdamW(lr=1e-4, weight_decay=0.1), options=CompileOptions(remat=remat))
+                         optimizer=AdamW(lr=1e-4, weight_decay=0.1),
+                         options=CompileOptions(fused_attention_grad=fused_attention, remat=remat))
     batch = {"x": ts.place_batch({"x": x})["x"], "y": ts.place_batch({"y": y})["y"]}
 
     def step():
@@ -95,7 +97,8 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
         model, x, y = build_model(args)
         t0 = time.perf_counter()
         if v.startswith("spmd"):
-            steps[v] = _spmd_step(model, x, y, args.device, args.remat if v == "spmd-remat" else "none")
+            steps[v] = _spmd_step(model, x, y, args.device, fused_attention=v != "spmd-math",
+                                  remat=args.remat if v == "spmd-remat" else "none")
         else:
             steps[v] = _torch_step(model, x, y, v == "compile")
         for _ in range(args.warmup):
@@ -158,8 +161,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a dry run)")
-    ap.add_argument("--variants", default=None, help="comma-separated from eager,compile,spmd,spmd-remat "
-                    "(default: eager,compile,spmd on cuda, eager,spmd on cpu)")
+    ap.add_argument("--variants", default=None, help="comma-separated from eager,compile,spmd,spmd-math,"
+                    "spmd-remat (spmd-math: attention's backward as dots and softmax; spmd-remat: with "
+                    "--remat; default: eager,compile,spmd on cuda, eager,spmd on cpu)")
     ap.add_argument("--remat", choices=("selective", "full"), default="full",
                     help="activation recomputation of the spmd-remat variant (default full)")
     ap.add_argument("--rounds", type=int, default=5)

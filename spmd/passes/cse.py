@@ -28,11 +28,11 @@ after::
 Never merged: parameters; collectives and their async start / done forms, and
 ``async-start`` / ``async-done`` (each is one transfer or one launch on a stream, with a
 matching partner); custom calls other than the pure targets of ``spmd.ir.custom_calls``
-(``PURE_CUSTOM_CALLS``: softmax, layer-norm, attention, gelu, silu, sort, topk, cumsum, cumprod, conv1d and
-random, whose values depend on their operands and backend_config only; the ``Sharding`` call
-carries a constraint and is left alone). ``partition-id`` is the same value wherever it is
-read on a device, so it merges. Instructions left without users are removed (parameters and
-the root stay). The pass runs on any module, partitioned or not.
+(``PURE_CUSTOM_CALLS``: softmax, layer-norm, attention, attention-forward, attention-backward, gelu, silu,
+sort, topk, cumsum, cumprod, conv1d and random, whose values depend on their operands and
+backend_config only; the ``Sharding`` call carries a constraint and is left alone). ``partition-id``
+is the same value wherever it is read on a device, so it merges. Instructions left without users are
+removed (parameters and the root stay). The pass runs on any module, partitioned or not.
 
 One deliberate difference from HloCSE: a ``broadcast`` of a scalar (a rank-0 operand) is not
 merged unless ``merge_scalar_broadcasts`` is set. Repeating one costs a fill or a stride-0
@@ -62,7 +62,8 @@ from spmd.passes.simplify import remove_unused
 
 #: Custom-call targets whose result depends on their operands and config only.
 PURE_CUSTOM_CALLS = frozenset({"softmax", "layer-norm", "attention", "gelu", "silu", "sort", "topk", "cumsum",
-                               "cumprod", "cummax", "cummin", "conv1d", "random"}) & frozenset(CUSTOM_CALLS)
+                               "cumprod", "cummax", "cummin", "conv1d", "random", "attention-forward",
+                               "attention-backward"}) & frozenset(CUSTOM_CALLS)
 NEVER_MERGED = frozenset({"parameter"}) | COLLECTIVE_OPCODES | ASYNC_START_OPCODES | ASYNC_DONE_OPCODES
 
 

@@ -56,6 +56,10 @@ class CompileOptions:
         operands (``spmd.passes.merge_dots``; the stage then leaves the module as is when False).
       fuse_attention: rewrite dot -> scale -> softmax -> dot into one attention custom call
         (``spmd.passes.fuse_attention``).
+      fused_attention_grad: in programs that take gradients, import
+        ``F.scaled_dot_product_attention`` as fused forward / backward custom calls (flash /
+        memory-efficient kernels, ``spmd.frontend.joint_attention``); False traces its math
+        definition (dots and a softmax over the ``[..., Sq, Sk]`` scores) instead.
       fuse_elementwise: group chains of elementwise ops, reductions and norms into ``fusion``
         instructions, each run as one generated kernel on GPU (``spmd.passes.fuse_elementwise``).
       hoist_weights: compute values that depend only on weights (``spmd.jit``'s ``weight_argnums``,
@@ -84,9 +88,9 @@ class CompileOptions:
         ``small_all_reduce`` mode, a negative ``small_all_reduce_max_bytes``, a
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
-        ``fuse_attention``, ``fuse_elementwise`` or ``hoist_weights`` not a bool (or None where
-        allowed); ``num_compute_streams`` or ``small_all_reduce_max_bytes`` not an int; ``dump_dir``
-        not a path.
+        ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise`` or ``hoist_weights`` not a bool
+        (or None where allowed); ``num_compute_streams`` or ``small_all_reduce_max_bytes`` not an int;
+        ``dump_dir`` not a path.
     """
 
     windowed_einsum: str = "auto"
@@ -95,6 +99,7 @@ class CompileOptions:
     cuda_graphs: bool | None = None
     merge_dots: bool = True
     fuse_attention: bool = True
+    fused_attention_grad: bool = True
     fuse_elementwise: bool = True
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
@@ -126,7 +131,7 @@ class CompileOptions:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
-        for name in ("merge_dots", "fuse_attention", "fuse_elementwise", "hoist_weights"):
+        for name in ("merge_dots", "fuse_attention", "fused_attention_grad", "fuse_elementwise", "hoist_weights"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")

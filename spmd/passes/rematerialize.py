@@ -57,7 +57,7 @@ _CHEAP = ELEMENTWISE_OPCODES | frozenset({
 })
 _CHEAP_CALLS = frozenset({"softmax", "layer-norm", "gelu", "silu", "random"})
 _FULL_ONLY = frozenset({"dot", "gather"})
-_FULL_ONLY_CALLS = frozenset({"conv1d", "attention"})
+_FULL_ONLY_CALLS = frozenset({"conv1d", "attention", "attention-forward"})
 
 
 def recomputable(inst: Instruction, mode: str) -> bool:

@@ -39,7 +39,7 @@ import torch
 
 from spmd import metrics
 from spmd.compile_lock import COMPILE_LOCK
-from spmd.ir.hlo import Computation, Instruction
+from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction
 
 Tensor = torch.Tensor
 COMPILER_ENV = "SPMD_FUSION_COMPILER"
@@ -98,6 +98,7 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
     """
     body: Computation = inst.attrs["calls"]
     structure = structure_key(body)
+    in_place_ok = pointwise_parameters(body)
     prepared: dict[tuple, list] = {}  # (device, strides) -> [mode, op-by-op fn, compiled fn or None]
 
     def kernel(ops: list[Tensor], out: Tensor | None) -> Tensor:
@@ -109,7 +110,8 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
         mode, eager, compiled = entry
         if mode == "eager" or (mode == "graphs" and not _graph_call()):
             r = eager(*ops)
-        elif out is not None and not _overlaps(out, ops):
+        elif out is not None and not _overlaps(out, [t for k, t in enumerate(ops)
+                                                     if not (k in in_place_ok and _same_view(t, out))]):
             # the generated kernel stores straight into the arena buffer: no copy after it
             writer = _compile_into(structure, eager, ops, out)
             if writer is not None:
@@ -125,6 +127,34 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
         out.copy_(r)
         return out
     return kernel
+
+
+def pointwise_parameters(body: Computation) -> frozenset[int]:
+    """Parameter numbers of ``body`` read only element for element at the root's index: every
+    instruction reached from the parameter is elementwise and has the root's dims. The fused
+    kernel may then store its result over such an operand (each element is read before the
+    thread that writes it stores), as an optimizer writes a parameter's update over it."""
+    root_dims = body.root.shape.dims
+    users = body.users()
+    ok = set()
+    for p in body.parameters:
+        stack, seen, good = [p], set(), p.shape.dims == root_dims
+        while stack and good:
+            inst = stack.pop()
+            for u in users.get(inst, ()):
+                if id(u) in seen:
+                    continue
+                seen.add(id(u))
+                good = u.opcode in ELEMENTWISE_OPCODES and u.shape.dims == root_dims
+                stack.append(u)
+        if good:
+            ok.add(p.attrs["parameter_number"])
+    return frozenset(ok)
+
+
+def _same_view(t: Tensor, out: Tensor) -> bool:
+    return (t.device == out.device and t.data_ptr() == out.data_ptr() and t.shape == out.shape
+            and t.stride() == out.stride() and t.dtype == out.dtype)
 
 
 def _overlaps(out: Tensor, ops: list[Tensor]) -> bool:

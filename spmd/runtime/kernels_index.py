@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from spmd.ir.hlo import Instruction
+from spmd.runtime.kernels_dus import write_rows
 
 Tensor = torch.Tensor
 
@@ -166,7 +167,8 @@ def build_dynamic_update_slice(inst: Instruction, dev=None):
             view.copy_(update)
         elif len(moving) == 1:
             d = moving[0]
-            r.index_copy_(d, _start_index(starts[0].to(r.device), dims[d], sizes[d]), update)
+            if not write_rows(r, d, starts[0], update):
+                r.index_copy_(d, _start_index(starts[0].to(r.device), dims[d], sizes[d]), update)
         else:
             index = []
             for d in range(len(dims)):

@@ -355,3 +355,31 @@ def test_inductor_writer_stores_into_out_on_cpu(monkeypatch, fresh_cache):
     assert compile_kernel(a, CPU)(ops, out) is out and out.data_ptr() == ptr
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert any(k[0] == "into" for k in kf._cache)
+
+
+def test_pointwise_parameters_of_fused_bodies():
+    (upd,) = _fusions(_fused(DONATED))  # x * 0.9 - tanh(g): both operands read element for element
+    assert {0, 1} <= kf.pointwise_parameters(upd.attrs["calls"])
+    a, _ = _fusions(_fused(TWO_LAYERS))  # scale, residual, LayerNorm: the norm reads whole rows
+    body = a.attrs["calls"]
+    assert len(kf.pointwise_parameters(body)) < len(body.parameters)
+
+
+def test_an_update_stored_over_its_pointwise_operand_skips_the_copy(monkeypatch, fresh_cache):
+    """An optimizer-style update whose buffer is its own (donated) operand, read only element for
+    element, is written by the generated kernel in place; the value equals the op-by-op one."""
+    monkeypatch.setattr(kf, "fusion_compiler", lambda device: "inductor")
+    into = []
+
+    def fake_into(fn, ops, out):
+        into.append(1)
+        return lambda *a: a[-1].copy_(fn(*a[:-1]))
+
+    monkeypatch.setattr(kf, "_inductor_into", fake_into)
+    monkeypatch.setattr(kf, "_compile", lambda structure, eager, ops: pytest.fail("took the copy path"))
+    (inst,) = _fusions(_fused(DONATED))
+    ops = _operands(inst)
+    x = ops[0]
+    want = kf.interpreter(inst.attrs["calls"], CPU)(x.clone(), *ops[1:])
+    assert compile_kernel(inst, CPU)(ops, x) is x and into == [1]
+    assert torch.equal(x, want)
