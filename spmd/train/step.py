@@ -110,18 +110,24 @@ class TrainStep:
             return device_put(x, NamedSharding(self.mesh, spec))
         return torch.utils._pytree.tree_map(put, batch)
 
-    def step(self, batch) -> dict[str, torch.Tensor]:
-        """One training step on ``batch``; returns the metrics as CPU tensors.
+    def step(self, batch, *, fetch: bool = True) -> dict:
+        """One training step on ``batch``; returns the metrics ({"loss": float32 [], ...}).
 
+        fetch: True copies the metrics to the host as CPU tensors, which waits for the step;
+          False returns them as ``ShardedArray``s without waiting, so the host enqueues the next
+          step while this one runs (log every k steps with ``v.to_torch()``).
         The previous params and state are donated to the step; on an error raised before the
         step runs (bad batch, tracing error) they are left as they were.
+        Raises TypeError for a non-bool ``fetch``.
         """
+        if not isinstance(fetch, bool):
+            raise TypeError(f"fetch: expected a bool, got {type(fetch).__name__}")
         self._check_state()
         placed = self.place_batch(batch)
         compiled = self._compile(placed)
         params, state, metrics = compiled(self.params, self.opt_state, placed)
         self.params, self.opt_state = params, state
-        return {k: v.to_torch() for k, v in metrics.items()}
+        return {k: v.to_torch() for k, v in metrics.items()} if fetch else dict(metrics)
 
     def _compile(self, placed):
         """The compiled step for the signature of ``placed`` (compiled on first use, then cached)."""
