@@ -4,8 +4,8 @@ Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
     import → propagate-sharding → spmd-partition → simplify → cse → reduce-scatter-creator
            → all-reduce-reuse → sink-scale → windowed-einsum → merge-dots → fuse-attention → hoist-weights
-           → split-batch → combine-collectives → fuse-elementwise → select-all-reduce → assign-streams
-           → async-collectives → schedule
+           → split-batch → combine-collectives → fuse-elementwise → rematerialize → select-all-reduce
+           → assign-streams → async-collectives → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
 (values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
@@ -37,8 +37,8 @@ HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "reduce-scatter-creator",
           "all-reduce-reuse", "sink-scale", "windowed-einsum", "merge-dots", "fuse-attention", "hoist-weights",
-          "split-batch", "combine-collectives", "fuse-elementwise", "select-all-reduce", "assign-streams",
-          "async-collectives", "schedule")
+          "split-batch", "combine-collectives", "fuse-elementwise", "rematerialize", "select-all-reduce",
+          "assign-streams", "async-collectives", "schedule")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,13 @@ class CompileOptions:
       split_batch_overlap: "auto" (the cost model decides), "on" or "off": run a row-separable
         tensor-parallel program as two interleaved batch halves so that one half's all-reduces run
         under the other half's GEMMs (``spmd.passes.split_batch``).
+      remat: activation recomputation (``spmd.passes.rematerialize``): "none" (default), "selective"
+        (recompute everything but matrix products, convolutions, gathers and communication at far
+        uses: PyTorch's selective activation checkpointing) or "full" (dots too: activation
+        checkpointing); recomputed values equal the kept ones, random values included.
+      remat_max_copies: how many times remat may recompute one instruction (1: at most one extra
+        forward, the cost of activation checkpointing; more copies lower the peak further for more
+        compute).
       bucket_size_bytes: combine small independent all-reduces / reduce-scatters of one kind into
         one collective per bucket of at most this many bytes per device (``spmd.passes.
         combine_collectives``; like DDP's gradient buckets); 0 disables.
@@ -86,8 +93,8 @@ class CompileOptions:
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
-      ValueError: for an unknown ``windowed_einsum``, ``split_batch_overlap`` or ``small_all_reduce``
-        mode, a negative ``small_all_reduce_max_bytes``, a
+      ValueError: for an unknown ``windowed_einsum``, ``split_batch_overlap``, ``remat`` or
+        ``small_all_reduce`` mode, a negative ``small_all_reduce_max_bytes``, a
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
         ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise``, ``hoist_weights`` or
@@ -106,6 +113,8 @@ class CompileOptions:
     fuse_elementwise: bool = True
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
+    remat: str = "none"
+    remat_max_copies: int = 1
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     async_collectives: bool = True
     small_all_reduce: str = "auto"
@@ -116,6 +125,11 @@ class CompileOptions:
     def __post_init__(self) -> None:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
+        if self.remat not in ("none", "selective", "full"):
+            raise ValueError(f"remat must be 'none', 'selective' or 'full', got {self.remat!r}")
+        c = self.remat_max_copies
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise ValueError(f"remat_max_copies must be an int >= 1, got {c!r}")
         if self.split_batch_overlap not in ("auto", "on", "off"):
             raise ValueError(f"split_batch_overlap must be 'auto', 'on' or 'off', got {self.split_batch_overlap!r}")
         if self.small_all_reduce not in ("auto", "on", "off"):
@@ -211,6 +225,7 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
     from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.reduce_scatter_creator import ReduceScatterCreator
+    from spmd.passes.rematerialize import Rematerialize
     from spmd.passes.schedule import Schedule
     from spmd.passes.select_all_reduce import SelectAllReduce
     from spmd.passes.simplify import Simplify
@@ -240,6 +255,7 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
         SplitBatch(mode=options.split_batch_overlap),
         CombineCollectives(bucket_size_bytes=options.bucket_size_bytes),
         FuseElementwise(enabled=options.fuse_elementwise),
+        Rematerialize(mode=options.remat, max_copies=options.remat_max_copies),
         SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
                         process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),
