@@ -183,8 +183,11 @@ class _Liveness:
             elif op == "add":
                 # a single-use dot operand runs inside the runtime's addmm: the other operand is C
                 fused = [o for o in inst.operands if o.opcode == "dot" and len(users[o]) == 1]
+                gemm_reads = {n for d in fused for x in d.operands for n in self.src[id(x)]}  # A and B
                 self.accumulate += [(self.src[id(o)][0], inst) for o in inst.operands
-                                    if len(self.src[id(o)]) == 1 and o.shape == inst.shape and o not in fused]
+                                    if len(self.src[id(o)]) == 1 and o.shape == inst.shape and o not in fused
+                                    and id(o) not in self.views  # read in place, not through a transpose
+                                    and self.src[id(o)][0] not in gemm_reads]
         else:
             self.src[id(inst)] = []
         return reads

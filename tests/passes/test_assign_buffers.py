@@ -82,8 +82,10 @@ class Oracle:
             self._read(self.src.get(id(o)), k, inst.name)
         if inst.opcode == "dynamic-update-slice":
             self.dus_base[inst.name] = self.src.get(id(inst.operands[0]))
-        if inst.opcode == "add":
-            self.add_base[inst.name] = {self.src.get(id(o)) for o in inst.operands if o.shape == inst.shape}
+        if inst.opcode == "add":  # in place over an operand read at the output's index, not a GEMM input
+            gemm = {self.src.get(id(x)) for o in inst.operands if o.opcode == "dot" for x in o.operands}
+            self.add_base[inst.name] = {self.src.get(id(o)) for o in inst.operands
+                                        if o.shape == inst.shape and o.name not in self.views} - gemm
         self.writer[inst.name] = k
         self.src[id(inst)] = inst.name
 
@@ -409,9 +411,11 @@ RESIDUAL = HEADER + f"""ENTRY %main (x: f32[64,64], w: f32[64,64]) -> f32[64,64]
   %x = f32[64,64] parameter(0)
   %w = f32[64,64] parameter(1)
   %h0 = f32[64,64] negate(%x)
-  %d1 = f32[64,64] dot(%h0, %w), {DOT}
+  %a1 = f32[64,64] tanh(%h0)
+  %d1 = f32[64,64] dot(%a1, %w), {DOT}
   %h1 = f32[64,64] add(%d1, %h0)
-  %d2 = f32[64,64] dot(%h1, %w), {DOT}
+  %a2 = f32[64,64] tanh(%h1)
+  %d2 = f32[64,64] dot(%a2, %w), {DOT}
   %h2 = f32[64,64] add(%h1, %d2)
   ROOT %out = f32[64,64] exponential(%h2)
 }}
@@ -434,5 +438,38 @@ def test_a_residual_sum_accumulates_in_one_buffer():
     for d in range(2):
         x, w = args[0][d], args[1][d]
         h0 = -x
-        h1 = h0 @ w + h0
-        torch.testing.assert_close(outs[0][d], torch.exp(h1 + h1 @ w), rtol=1e-5, atol=1e-5)
+        h1 = torch.tanh(h0) @ w + h0
+        torch.testing.assert_close(outs[0][d], torch.exp(h1 + torch.tanh(h1) @ w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gemm_inputs_of_a_fused_addmm_keep_their_bytes():
+    """``h + h @ w`` runs as addmm(h, h, w): C may be written in place only if it is not also A."""
+    m = parse_module(HEADER + f"""ENTRY %main (x: f32[64,64], w: f32[64,64]) -> f32[64,64] {{
+  %x = f32[64,64] parameter(0)
+  %w = f32[64,64] parameter(1)
+  %h = f32[64,64] negate(%x)
+  %d = f32[64,64] dot(%h, %w), {DOT}
+  %s = f32[64,64] add(%h, %d)
+  ROOT %out = f32[64,64] exponential(%s)
+}}
+""")
+    ba = assign_buffers(m)
+    assert ba.offsets_bytes["h"] != ba.offsets_bytes["s"]
+
+
+def test_an_operand_read_through_a_transpose_keeps_its_bytes():
+    """``t(h) + d``: the add reads h at transposed indices, so writing over h in place would race."""
+    m = parse_module(HEADER + f"""ENTRY %main (x: f32[64,64], w: f32[64,64]) -> f32[64,64] {{
+  %x = f32[64,64] parameter(0)
+  %w = f32[64,64] parameter(1)
+  %h = f32[64,64] negate(%x)
+  %t = f32[64,64] transpose(%h), dimensions={{1,0}}
+  %a = f32[64,64] tanh(%x)
+  %d = f32[64,64] dot(%a, %w), {DOT}
+  %s = f32[64,64] add(%t, %d)
+  ROOT %out = f32[64,64] exponential(%s)
+}}
+""")
+    ba = assign_buffers(m)
+    Oracle(m).check(ba)
+    assert "t" in view_instructions(m) and ba.offsets_bytes["h"] != ba.offsets_bytes["s"]
