@@ -78,6 +78,16 @@ def _axis(mesh: Mesh, name: str) -> str | None:
     return name if name in mesh.axis_names else None
 
 
+def _check_prompt_type(i: int, p) -> None:
+    """TypeError unless prompt ``i`` is a sequence of token ids (a list / tuple, or a 1-d tensor)."""
+    if isinstance(p, torch.Tensor):
+        if p.dim() != 1:
+            raise TypeError(f"prompts[{i}]: expected a 1-d tensor of token ids, got a {p.dim()}-d tensor")
+    elif not isinstance(p, Sequence) or isinstance(p, str):
+        raise TypeError(f"prompts[{i}]: expected a sequence of int token ids (a list or a 1-d int tensor), "
+                        f"got {type(p).__name__}")
+
+
 class Generator:
     """Prefill and decode programs for ``model`` on ``mesh``, with a preallocated sharded KV cache.
 
@@ -173,6 +183,7 @@ class Generator:
         out = []
         vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
+            _check_prompt_type(i, p)
             ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
             if not ids:
                 raise ValueError(f"prompts[{i}]: empty prompt; expected at least one token")
@@ -226,8 +237,9 @@ class Generator:
         Returns:
           A ``GenerationResult``.
         Raises:
-          TypeError / ValueError: bad prompts (empty, too long, too many, ids outside the
-          vocabulary), ``max_new_tokens`` < 1 or past the cache, ``sampling`` not a Sampling.
+          TypeError / ValueError: bad prompts (empty, too long, too many, not sequences of ids,
+          ids outside the vocabulary), ``max_new_tokens`` < 1 or past the cache, ``sampling`` not a
+          Sampling, a non-bool ``timing``, ``on_tokens`` / ``progress`` not callable.
           Nothing runs and the cache is untouched when an argument is rejected.
         """
         sampling = Sampling() if sampling is None else sampling
@@ -237,6 +249,11 @@ class Generator:
         self._check_new_tokens(max_new_tokens)
         if isinstance(stream_every, bool) or not isinstance(stream_every, int) or stream_every < 0:
             raise ValueError(f"stream_every: expected an int >= 0, got {stream_every!r}")
+        if not isinstance(timing, bool):
+            raise TypeError(f"timing: expected True or False, got {type(timing).__name__} {timing!r}")
+        for name, fn in (("on_tokens", on_tokens), ("progress", progress)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name}: expected a callable or None, got {type(fn).__name__}")
         prefill, decode = self.programs(sampling)
         tokens, start = self.pad_prompts(ids)
         # greedy decoding reads no random numbers: a [B, 1] placeholder keeps the program signature
@@ -292,9 +309,13 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
         prompts = list(prompts) if prompts.dim() == 2 else prompts
     if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
         raise TypeError("prompts: expected a non-empty list of token-id sequences (lists or 1-d int tensors)")
+    for i, p in enumerate(prompts):
+        _check_prompt_type(i, p)
     prefill_len = max(max(len(p) for p in prompts), 1)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+    if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1):
+        raise ValueError(f"max_seq: expected an int >= 1 or None, got {max_seq!r}")
     max_seq = prefill_len + max_new_tokens - 1 if max_seq is None else max_seq
     gen = Generator(model, mesh, max_batch=len(prompts), max_seq=max_seq, prefill_len=min(prefill_len, max_seq),
                     options=options)

@@ -36,10 +36,10 @@ class Sampling:
         dividing the logits.
       top_k: None, or an int >= 1: sample among the k largest logits (needs a temperature).
       top_p: None, or a float in (0, 1]: sample from the nucleus of mass p (needs a temperature).
-      seed: int seed of the random state.
+      seed: int seed of the random state, in [-2^63, 2^64) (``torch.Generator.manual_seed``'s range).
     Raises:
       ValueError: temperature <= 0 (or not finite), top_k < 1, top_p outside (0, 1], top_k or
-        top_p without a temperature. TypeError: a field of the wrong type.
+        top_p without a temperature, a seed outside [-2^63, 2^64). TypeError: a field of the wrong type.
     """
 
     temperature: float | None = None
@@ -68,6 +68,8 @@ class Sampling:
             raise ValueError("top_k / top_p need a temperature (temperature=None means greedy)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed: expected an int in [-2**63, 2**64) (torch.Generator.manual_seed), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

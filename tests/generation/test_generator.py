@@ -94,6 +94,11 @@ BAD_CALLS = [
     (dict(prompts=[[1, 256]]), ValueError, r"\[0, 256\)"),
     (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
     (dict(sampling="greedy"), TypeError, "sampling"),
+    (dict(prompts=[1, 2]), TypeError, r"prompts\[0\]: expected a sequence"),
+    (dict(prompts=[torch.tensor(3)]), TypeError, r"prompts\[0\]: expected a 1-d tensor"),
+    (dict(timing="yes"), TypeError, "timing"),
+    (dict(progress=5), TypeError, "progress: expected a callable"),
+    (dict(stream_every=1, on_tokens="print"), TypeError, "on_tokens: expected a callable"),
 ]
 
 
@@ -103,7 +108,7 @@ def test_bad_input_is_a_clear_error_and_leaves_the_cache(bad_input_gen, kwargs, 
     before = gen.kv_cache()
     call = dict(prompts=[[1, 2], [3]], max_new_tokens=4, sampling=None) | kwargs
     with pytest.raises(exc, match=match):
-        gen.generate(call["prompts"], call["max_new_tokens"], call["sampling"])
+        gen.generate(call.pop("prompts"), call.pop("max_new_tokens"), call.pop("sampling"), **call)
     for (k, v), (k0, v0) in zip(gen.kv_cache(), before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
     assert gen.generate([[1, 2], [3]], 4).tokens.shape == (2, 4)
@@ -114,6 +119,16 @@ def bad_input_gen(model):
     gen = Generator(model, _mesh(("tp",), 2), max_batch=2, max_seq=16, prefill_len=12)
     gen.generate([[1, 2], [3]], 4)  # the cache holds values to compare
     return gen
+
+
+@pytest.mark.parametrize(("prompts", "kwargs", "match"), [
+    ([1, 2, 3], {}, r"prompts\[0\]: expected a sequence"),
+    ([torch.tensor(3)], {}, r"prompts\[0\]: expected a 1-d tensor"),
+    ([[1, 2]], {"max_seq": "8"}, "max_seq"),
+])
+def test_one_shot_generate_rejects_bad_arguments(model, prompts, kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        spmd.generate(model, _mesh(("tp",), 2), prompts, 4, **kwargs)
 
 
 def test_bad_construction(model):

@@ -24,6 +24,8 @@ from spmd.generation.sampling import (
     (dict(temperature=1.0, top_p=1.5), ValueError, "top_p"),
     (dict(top_k=3), ValueError, "need a temperature"),
     (dict(seed=1.5), TypeError, "seed"),
+    (dict(temperature=1.0, seed=2**70), ValueError, "seed"),
+    (dict(temperature=1.0, seed=-(2**63) - 1), ValueError, "seed"),
 ])
 def test_bad_sampling_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
