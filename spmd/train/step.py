@@ -88,6 +88,7 @@ class TrainStep:
         self.batch_axis = batch_axis
         self.state_specs = {"step": PartitionSpec(), **{s: dict(param_specs) for s in optimizer.slots()}}
         self.params = params
+        self._param_types = {k: (tuple(v.shape), v.dtype) for k, v in params.items()}
         replicated = NamedSharding(mesh, PartitionSpec())
         self.opt_state = {"step": device_put(torch.zeros((), dtype=torch.float32), replicated)}
         for slot in optimizer.slots():
@@ -157,16 +158,26 @@ class TrainStep:
         return self.compiled.memory_analysis()
 
     def _check_state(self) -> None:
-        """ValueError unless every parameter and optimizer buffer is a live ShardedArray laid out as planned."""
-        arrays = [(f"params[{k!r}]", v, self.param_specs[k]) for k, v in self.params.items()]
-        arrays.append(("opt_state['step']", self.opt_state.get("step"), PartitionSpec()))
+        """TypeError / ValueError unless every parameter and optimizer buffer is a live ShardedArray of its
+        parameter's shape and dtype, laid out as planned (and no parameter is missing or added)."""
+        if set(self.params) != set(self._param_types):
+            raise ValueError(f"params: expected the keys {sorted(self._param_types)[:5]}..., got missing "
+                             f"{sorted(set(self._param_types) - set(self.params))[:5]}, unexpected "
+                             f"{sorted(set(self.params) - set(self._param_types))[:5]}")
+        types = self._param_types
+        arrays = [(f"params[{k!r}]", v, self.param_specs[k], types[k]) for k, v in self.params.items()]
+        arrays.append(("opt_state['step']", self.opt_state.get("step"), PartitionSpec(), ((), torch.float32)))
         for slot in self.optimizer.slots():
             bufs = self.opt_state.get(slot, {})
-            arrays += [(f"opt_state[{slot!r}][{k!r}]", bufs.get(k), self.param_specs[k]) for k in self.params]
-        for what, x, spec in arrays:
+            arrays += [(f"opt_state[{slot!r}][{k!r}]", bufs.get(k), self.param_specs[k], types[k])
+                       for k in self.params]
+        for what, x, spec, (shape, dtype) in arrays:
             if not isinstance(x, ShardedArray):
                 raise TypeError(f"{what}: expected a ShardedArray, got {type(x).__name__}")
             x._check_alive(what)
+            if tuple(x.shape) != shape or x.dtype != dtype:
+                raise ValueError(f"{what}: expected shape {shape} and dtype {dtype} (its parameter's), got "
+                                 f"{tuple(x.shape)} {x.dtype}")
             want = NamedSharding(self.mesh, spec)
             if x.sharding != want:
                 raise ValueError(f"{what}: expected sharding {want} (its parameter's), got {x.sharding}")
@@ -297,7 +308,7 @@ def make_train_step(
       A ``TrainStep``; its first ``step(batch)`` compiles.
     Raises:
       TypeError: a wrong argument type (module, mesh, optimizer, plan, loss_fn, a non-number
-        clip_grad_norm).
+        clip_grad_norm, a dp_axis that is neither a str nor None).
       ValueError: integer / bool parameters (no gradients), ``fsdp`` without a ``dp_axis`` in the
         mesh, a plan that does not fit the module or leaves a parameter unmatched.
     """
@@ -321,6 +332,8 @@ def make_train_step(
     if bad:
         raise ValueError(f"module: parameter {bad[0]!r} has dtype {named[bad[0]].dtype}; gradients need "
                          f"floating-point parameters")
+    if dp_axis is not None and not isinstance(dp_axis, str):
+        raise TypeError(f"dp_axis: expected a mesh axis name (str) or None, got {type(dp_axis).__name__} {dp_axis!r}")
     axes = mesh.shape.axis_names
     batch_axis = dp_axis if dp_axis in axes else None
     if fsdp and batch_axis is None:

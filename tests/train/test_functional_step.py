@@ -112,7 +112,29 @@ def test_state_sharding_mismatching_its_parameter():
         ts.step(_batch())
 
 
+@pytest.mark.parametrize(("replace", "match"), [
+    (lambda ts, m: ts.opt_state["exp_avg"].__setitem__(
+        "0.weight", spmd.device_put(torch.zeros(4, 2), NamedSharding(m, P("dp")))),
+     r"opt_state\['exp_avg'\]\['0.weight'\]: expected shape \(8, 4\) and dtype torch.float32"),
+    (lambda ts, m: ts.opt_state["exp_avg"].__setitem__(
+        "0.weight", spmd.device_put(torch.zeros(8, 4, dtype=torch.float64), NamedSharding(m, P("dp")))),
+     r"opt_state\['exp_avg'\]\['0.weight'\]: .* got \(8, 4\) torch.float64"),
+    (lambda ts, m: ts.params.__setitem__("0.weight", spmd.device_put(torch.zeros(4, 8), NamedSharding(m, P("dp")))),
+     r"params\['0.weight'\]: expected shape \(8, 4\)"),
+    (lambda ts, m: ts.params.pop("0.bias"), r"params: expected the keys .*missing \['0.bias'\]"),
+])
+def test_state_of_another_shape_or_dtype_is_a_value_error_and_nothing_runs(replace, match):
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    ts = make_train_step(_tiny(), mesh, None, _mse, optimizer=AdamW(lr=0.1), fsdp=True)
+    replace(ts, mesh)
+    before = {k: v.to_torch() for k, v in ts.params.items()}
+    with pytest.raises(ValueError, match=match):
+        ts.step(_batch())
+    assert all(torch.equal(v.to_torch(), before[k]) for k, v in ts.params.items())
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(optimizer=SGD(), dp_axis=0), TypeError, "dp_axis: expected a mesh axis name"),
     (dict(optimizer=AdamW), TypeError, "optimizer: expected an spmd.train optimizer"),
     (dict(optimizer=SGD(), clip_grad_norm="1"), TypeError, "clip_grad_norm must be a number"),
     (dict(optimizer=SGD(), plan={"0.weight": P()}), ValueError, r"unmatched parameter\(s\) \['0.bias'"),
