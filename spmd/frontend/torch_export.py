@@ -213,6 +213,10 @@ def _inputs(ep: ExportedProgram, em: Emitter, env: dict) -> tuple[list[str], lis
         if spec.kind == InputKind.CONSTANT_TENSOR:
             em.base_name = spec.arg.name
             env[spec.arg.name] = em.constant(ep.constants[spec.target])
+        elif getattr(spec.arg, "class_fqn", None) == "torch._C.Generator":
+            raise UnsupportedOpError("random ops with an explicit generator= are not supported (spmd draws a "
+                                     "fresh key from the default generator at every call; seed it with "
+                                     "torch.manual_seed and drop generator=)")
         elif spec.kind not in (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER):
             raise UnsupportedOpError(f"unsupported program input {spec.arg} of kind {spec.kind.name}")
     return names, params, values

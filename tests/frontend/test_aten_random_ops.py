@@ -85,7 +85,7 @@ def test_bernoulli_of_tensor_and_scalar_probability():
 
 def test_explicit_generator_is_refused():
     gen = torch.Generator().manual_seed(1)
-    with pytest.raises(UnsupportedOpError):
+    with pytest.raises(UnsupportedOpError, match="explicit generator= are not supported.*torch.manual_seed"):
         import_program(lambda x: x + torch.rand(3, generator=gen), (torch.randn(3),))
 
 
