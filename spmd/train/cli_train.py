@@ -87,20 +87,19 @@ def _check(args) -> None:
 
 
 def _check_paths(args) -> None:
-    """CliError for a --ckpt-dir that cannot be created or a --plot file in a missing directory, before training."""
+    """Create the --ckpt-dir and the --plot file's directory before training; CliError when either cannot be."""
     from spmd.cli import CliError
 
-    if args.ckpt_dir:
-        try:
-            os.makedirs(args.ckpt_dir, exist_ok=True)
-        except OSError as e:
-            raise CliError(f"--ckpt-dir: cannot create directory {args.ckpt_dir!r}: {e.strerror}") from None
-        if not os.access(args.ckpt_dir, os.W_OK):
-            raise CliError(f"--ckpt-dir: directory {args.ckpt_dir!r} is not writable")
+    dirs = [("--ckpt-dir", args.ckpt_dir)] if args.ckpt_dir else []
     if args.plot:
-        parent = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.isdir(parent):
-            raise CliError(f"--plot: the directory {parent!r} of {args.plot!r} does not exist")
+        dirs.append(("--plot", os.path.dirname(os.path.abspath(args.plot))))
+    for flag, path in dirs:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"{flag}: cannot create directory {path!r}: {e.strerror}") from None
+        if not os.access(path, os.W_OK):
+            raise CliError(f"{flag}: directory {path!r} is not writable")
 
 
 def _gpt_job(args, mesh, axes):

@@ -38,7 +38,7 @@ def test_bad_arguments_are_one_line_errors(capsys):
     (["--lr", "-1"], "--lr: expected a finite number > 0, got -1.0"),
     (["--vocab", "1"], "--vocab: expected >= 2, got 1"),
     (["--save-every", "-1"], "--save-every: expected >= 0"),
-    (["--plot", "/nonexistent-dir/loss.png"], "--plot: the directory '/nonexistent-dir'"),
+    (["--plot", "/proc/no-such-dir/loss.png"], "--plot: cannot create directory '/proc/no-such-dir'"),
     (["--ckpt-dir", "/proc/no-such-dir"], "--ckpt-dir: cannot create directory '/proc/no-such-dir'"),
 ])
 def test_bad_values_and_paths_are_one_line_errors_before_training(capsys, extra, message):
