@@ -69,12 +69,16 @@ class MemoryAnalysis:
         return self.arena_size_bytes + self.heap_temp_peak_bytes
 
     def summary(self) -> str:
-        """One line in MiB, e.g. ``peak 12.50 MiB/device (args 4.00, out 4.00, alias 4.00, temp 8.50)``."""
-        mib = lambda n: f"{n / 2**20:.2f}"
-        return (f"peak {mib(self.peak_size_bytes)} MiB/device (args {mib(self.argument_size_bytes)}, "
-                f"out {mib(self.output_size_bytes)}, alias {mib(self.alias_size_bytes)}, "
-                f"temp {mib(self.temp_size_bytes)} = arena {mib(self.arena_size_bytes)} + heap "
-                f"{mib(self.heap_temp_peak_bytes)})")
+        """One line, e.g. ``peak 12.50 MiB/device (args 4.00, out 4.00, alias 4.00, temp 8.50 = arena 6.00 +
+        heap 2.50)``: in MiB when the peak is at least 1 MiB, else in KiB (at least 1 KiB) or bytes, so a small
+        program does not read as all zeros."""
+        unit, scale = next((u, b) for u, b in (("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                           if self.peak_size_bytes >= b or b == 1)
+        fmt = (lambda n: str(n)) if scale == 1 else (lambda n: f"{n / scale:.2f}")
+        return (f"peak {fmt(self.peak_size_bytes)} {unit}/device (args {fmt(self.argument_size_bytes)}, "
+                f"out {fmt(self.output_size_bytes)}, alias {fmt(self.alias_size_bytes)}, "
+                f"temp {fmt(self.temp_size_bytes)} = arena {fmt(self.arena_size_bytes)} + heap "
+                f"{fmt(self.heap_temp_peak_bytes)})")
 
 
 def _instructions(module: Module) -> dict[str, Instruction]:

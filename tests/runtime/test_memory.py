@@ -132,7 +132,16 @@ def test_report_is_cached_and_summarised():
     report = compiled.memory_analysis()
     assert compiled.memory_analysis() is report
     assert report.num_devices == 2 and report.argument_size_bytes == 4 * 4 * 4
-    assert report.summary().startswith("peak ")
+    assert report.summary().startswith(f"peak {report.peak_size_bytes} B/device (args 64, ")
+
+
+@pytest.mark.parametrize(("peak", "text"), [(5 * 2**20 + 2**19, "peak 5.50 MiB/device"),
+                                            (3 * 2**10, "peak 3.00 KiB/device"), (100, "peak 100 B/device")])
+def test_summary_unit_follows_the_peak(peak, text):
+    report = MemoryAnalysis(argument_size_bytes=peak // 4, output_size_bytes=0, alias_size_bytes=0,
+                            arena_size_bytes=0, heap_temp_peak_bytes=0, constant_size_bytes=0,
+                            peak_size_bytes=peak, num_devices=1)
+    assert report.summary().startswith(text + " (args ")
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
