@@ -163,6 +163,12 @@ def bench_batch(args, batch: int, device: str, log) -> list[dict]:
             if r >= warm:
                 runs[name].append(res)
             log(f"batch {batch} round {r}: {name} ttft {res[0] * 1e3:.1f} ms, decode {res[1]:.3f} s")
+    if args.profile and device.startswith("cuda"):
+        from benchmarks.gpu_kernels import print_kernels
+
+        for name, fn in variants.items():
+            if name not in errors:
+                print_kernels(f"decode b{batch} {name} (one generation)", fn, calls=1, top=args.profile)
     ref = runs.get("torch.compile", [None])[-1] if runs.get("torch.compile") else None
     out = []
     for name in variants:
@@ -217,6 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="untimed rounds first (default 2: compile, then capture CUDA graphs)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="peak HBM bandwidth, TB/s (H200: 4.8)")
+    p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                   help="after timing, print each variant's TOP longest kernels of one generation (CUDA only)")
     p.add_argument("--doc", dest="doc", action="store_true", default=None, help="append a row set to the docs")
     p.add_argument("--no-doc", dest="doc", action="store_false")
     args = p.parse_args(argv)

@@ -76,3 +76,17 @@ def kernel_summary(fn: Callable[[], object], calls: int = 10, top: int = 8) -> l
                                  k["collective"] / calls, k["other"] / calls,
                                  tuple((n, len(v) / calls, sum(v) / calls) for n, v in longest)))
     return out
+
+
+def print_kernels(label: str, fn: Callable[[], object], calls: int = 3, top: int = 25) -> None:
+    """Print the kernel summary of ``fn`` (per call) and its ``top`` longest kernels, one per line."""
+    try:
+        devs = kernel_summary(fn, calls=calls, top=top)
+    except Exception as exc:  # a profile must not stop a benchmark
+        print(f"[kernels] {label}: profile failed: {type(exc).__name__}: {exc}", flush=True)
+        return
+    for d in devs:
+        print(f"[kernels] {label} dev{d.device}: {d.kernels} kernels, busy {d.busy_us:.1f} us "
+              f"(matmul {d.matmul_us:.1f}, collective {d.collective_us:.1f}, other {d.other_us:.1f})", flush=True)
+        for name, n, us in d.top:
+            print(f"[kernels]   {us:9.1f} us  x{n:<6.1f} {name}", flush=True)

@@ -62,8 +62,8 @@ ROW_NAMES = tuple(r.name for r in ROWS)
 #: spmd variants: column name -> CompileOptions fields changed from the defaults.
 SPMD_VARIANTS: dict[str, dict[str, Any]] = {
     "spmd": {},
-    "spmd no-merge": {"merge_dots": False},
-    "spmd no-hoist": {"hoist_weights": False},
+    "spmd-no-merge": {"merge_dots": False},
+    "spmd-no-hoist": {"hoist_weights": False},
 }
 TORCH_VARIANTS = ("eager", "compile", "compile-ro")
 

@@ -2,12 +2,14 @@
 # The one script that runs spmd's GPU tests and benchmarks on a lent GPU machine.
 #
 # Usage (from anywhere; it cds to the repository root):
-#   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | fuzz | cm | dispatch | onegpu | decode | train | all
+#   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | fuzz | cm | dispatch | onegpu | decode | train |
+#                                          smallar | all
 #                                          (default: all)
 # Environment knobs:
 #   OUT=dir          where logs/results go (default /tmp/spmd_bench_out): run.log, gpu_tests.log,
 #                    fuzz_gpu.json, cm_results.json, benchmarks_collective_matmul.png, dispatch_results.json,
-#                    one_gpu_results.json, benchmarks.md (docs/benchmarks.md with the new row sets)
+#                    one_gpu_results.json, small_allreduce_results.json, benchmarks.md (docs/benchmarks.md
+#                    with the new row sets)
 #   BUDGET_S=560     wall-clock seconds for all selected stages together (one device call is <= 600 s)
 #   TP=N             GPUs to use (default: all visible)
 #   CM_ARGS=...      extra options for benchmarks/collective_matmul.py (e.g. "--shapes 4096,4096,4096")
@@ -15,6 +17,7 @@
 #   ONE_GPU_ARGS=..  extra options for benchmarks/one_gpu.py (e.g. "--rows llama2-2l-bf16-1x1")
 #   DECODE_ARGS=..   extra options for benchmarks/decode.py (e.g. "--batch 1 --rounds 2")
 #   TRAIN_ARGS=..    extra options for benchmarks/train.py (e.g. "--model gpt3 --layers 1")
+#   SMALLAR_ARGS=..  extra options for benchmarks/small_allreduce.py (e.g. "--sizes 4096 65536 --no-symm")
 #   FUZZ_N=400       random programs in the GPU slice of the differential tester (tests/fuzz/sweep.py)
 #   PYTEST_ARGS=...  extra options for pytest (e.g. "-k windowed")
 #   INSTALL=1        `pip install --no-deps --no-build-isolation -e .` first (default: PYTHONPATH only)
@@ -43,13 +46,14 @@ stages=("$@")
 selected=()
 for s in "${stages[@]}"; do
   case "$s" in
-    all) selected+=(tests fuzz cm dispatch onegpu decode train) ;;
-    env|tests|fuzz|cm|dispatch|onegpu|decode|train) selected+=("$s") ;;
-    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train or all"; exit 2 ;;
+    all) selected+=(tests fuzz cm dispatch onegpu decode train smallar) ;;
+    env|tests|fuzz|cm|dispatch|onegpu|decode|train|smallar) selected+=("$s") ;;
+    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train, smallar or all"
+       exit 2 ;;
   esac
 done
 
-declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2)
+declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2)
 declare -A RESULT=()
 START=$SECONDS
 
@@ -123,6 +127,9 @@ for s in "${selected[@]}"; do
     decode) run_stage decode "$secs" python3 -m benchmarks.decode --doc ${DECODE_ARGS:-} ;;
     # shellcheck disable=SC2086
     train) run_stage train "$secs" python3 -m benchmarks.train --doc docs/benchmarks.md ${TRAIN_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    smallar) run_stage smallar "$secs" python3 -m benchmarks.small_allreduce "${TP_ARG[@]}" --symm --out "$OUT" \
+          --doc docs/benchmarks.md ${SMALLAR_ARGS:-} ;;
     fuzz) run_stage fuzz "$secs" python3 -m tests.fuzz.sweep --device cuda --n "${FUZZ_N:-400}" --seed "$RANDOM" \
           --budget-s $(( secs - 20 )) --out "$OUT/fuzz_gpu.json" ;;
   esac

@@ -7,7 +7,8 @@ One step = forward, MSE loss against a fixed target, backward, AdamW update (wei
 all three in the same dtype (bfloat16 on CUDA by default, float32 on CPU): PyTorch eager with
 ``torch.optim.AdamW(foreach=True)``, the same under ``torch.compile`` (model and loss compiled,
 optimizer step compiled with ``torch.compile`` too), and ``spmd.train.make_train_step`` on a
-one-device mesh (params and optimizer state donated). Variants are timed in interleaved rounds
+one-device mesh (params and optimizer state donated; attention forward and backward as fused
+kernels, or as dots and a softmax in the ``spmd-math`` variant). Variants are timed in interleaved rounds
 (round r runs every variant once, ``--steps`` timed steps each, after warm-up), so drift of the
 machine hits all of them alike; the median step time over rounds is reported, with peak device
 memory (CUDA ``max_memory_allocated`` over the timed steps, reset per variant). The result is
@@ -27,7 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("eager", "compile", "spmd")
+VARIANTS = ("eager", "compile", "spmd", "spmd-math")
+DEFAULT_VARIANTS = ("eager", "compile", "spmd")  # spmd-math: attention's math backward, on request
 
 
 def build_model(args):
@@ -62,13 +64,14 @@ def _torch_step(model, x, y, compiled: bool) -> Callable[[], None]:
     return step
 
 
-def _spmd_step(model, x, y, device: str) -> Callable[[], None]:
-    from spmd import Mesh
+def _spmd_step(model, x, y, device: str, fused_attention: bool = True) -> Callable[[], None]:
+    from spmd import CompileOptions, Mesh
     from spmd.train import AdamW, make_train_step
 
     mesh = Mesh.create(("dp",), devices=f"{device}:1")
     ts = make_train_step(model, mesh, None, lambda apply, b: F.mse_loss(apply(b["x"]), b["y"]),
-                         optimizer=AdamW(lr=1e-4, weight_decay=0.1))
+                         optimizer=AdamW(lr=1e-4, weight_decay=0.1),
+                         options=CompileOptions(fused_attention_grad=fused_attention))
     batch = {"x": ts.place_batch({"x": x})["x"], "y": ts.place_batch({"y": y})["y"]}
 
     def step():
@@ -87,7 +90,10 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
     for v in args.variants:
         model, x, y = build_model(args)
         t0 = time.perf_counter()
-        steps[v] = _spmd_step(model, x, y, args.device) if v == "spmd" else _torch_step(model, x, y, v == "compile")
+        if v.startswith("spmd"):
+            steps[v] = _spmd_step(model, x, y, args.device, fused_attention=v == "spmd")
+        else:
+            steps[v] = _torch_step(model, x, y, v == "compile")
         for _ in range(args.warmup):
             steps[v]()
         _sync(args.device)
@@ -107,6 +113,11 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
             if args.device == "cuda":
                 peak[v] = max(0.0 if peak[v] != peak[v] else peak[v], torch.cuda.max_memory_allocated() / 2**30)
         log(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in steps))
+    if args.profile and args.device == "cuda":
+        from benchmarks.gpu_kernels import print_kernels
+
+        for v, step in steps.items():
+            print_kernels(f"train {v}", step, calls=2, top=args.profile)
     return {v: {"ms": statistics.median(times[v]), "peak_gib": peak[v]} for v in steps}
 
 
@@ -138,18 +149,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a dry run)")
-    ap.add_argument("--variants", default=None, help="comma-separated from eager,compile,spmd "
-                    "(default: all on cuda, eager,spmd on cpu)")
+    ap.add_argument("--variants", default=None, help="comma-separated from eager,compile,spmd,spmd-math "
+                    "(spmd-math: attention's backward as dots and softmax; default: eager,compile,spmd on cuda, "
+                    "eager,spmd on cpu)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="after timing, print each variant's TOP longest kernels per step (CUDA only)")
     ap.add_argument("--doc", default=None, help="append the row set to this markdown file (docs/benchmarks.md)")
     args = ap.parse_args(argv)
     args.batch = args.batch or (1 if args.small else 2)
     args.seq = args.seq or (16 if args.small else 2048)
     args.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
         args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
-    names = args.variants.split(",") if args.variants else (list(VARIANTS) if args.device == "cuda"
+    names = args.variants.split(",") if args.variants else (list(DEFAULT_VARIANTS) if args.device == "cuda"
                                                              else ["eager", "spmd"])
     bad = [n for n in names if n not in VARIANTS]
     if bad or min(args.layers, args.batch, args.seq, args.rounds, args.steps) < 1 or args.warmup < 0:

@@ -35,6 +35,8 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampler")
+    g.add_argument("--small-all-reduce", choices=("auto", "on", "off"), default="auto",
+                   help="run small all-reduces one-shot (CompileOptions.small_all_reduce; default auto)")
     g.add_argument("--dump", metavar="DIR", help="write the HLO text after each compiler stage to DIR")
 
 
@@ -75,7 +77,7 @@ def cmd_generate(args, console: Console, make_mesh, parse_mesh) -> int:
     prompt_len = args.prompt_len or (16 if args.small else 128)
     max_seq = prompt_len + args.max_new_tokens - 1
     gen = Generator(model, mesh, max_batch=args.batch, max_seq=max_seq, prefill_len=prompt_len,
-                    options=CompileOptions(dump_dir=args.dump))
+                    options=CompileOptions(dump_dir=args.dump, small_all_reduce=args.small_all_reduce))
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, prompt_len),
                             generator=torch.Generator().manual_seed(args.seed)).tolist()
     console.print(f"[bold]{args.model}[/]{' (small)' if args.small else ''}: {cfg.num_layers} layers, hidden "

@@ -324,7 +324,10 @@ class Compiled:
 
     # ------------------------------------------------------------ inspection
     def collectives(self) -> list[dict]:
-        """Collectives of the final program: opcode, per-device bytes moved, replica group size."""
+        """Collectives of the final program: opcode, per-device bytes moved, replica group size and
+        algorithm ("one-shot" for an all-reduce ``spmd.passes.select_all_reduce`` marked, else "ring")."""
+        from spmd.passes.select_all_reduce import algorithm_of
+
         out = []
         for inst in self.module.entry.instructions:
             op = inst.opcode.removesuffix("-start")
@@ -333,8 +336,10 @@ class Compiled:
             shape = inst.operands[0].shape if inst.operands else inst.shape
             groups = inst.attrs.get("replica_groups") or ((),)
             n = len(groups[0]) or self.module.num_partitions
-            out.append({"name": inst.name, "opcode": op, "bytes_per_device": _bytes_moved(op, shape.size_bytes, n),
-                        "group_size": n})
+            algorithm = algorithm_of(inst)
+            sent = shape.size_bytes * (n - 1) if algorithm == "one-shot" else _bytes_moved(op, shape.size_bytes, n)
+            out.append({"name": inst.name, "opcode": op, "bytes_per_device": sent, "group_size": n,
+                        "algorithm": algorithm})
         return out
 
     def collectives_summary(self) -> str:

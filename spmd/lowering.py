@@ -211,7 +211,7 @@ def lower_function(jitted, args: tuple):
 
     donated = donated_leaves(jitted.donate_argnums, arg_tree, static)
     weights = frozenset(donated_leaves(jitted.weight_argnums, arg_tree, static)) - frozenset(donated)
-    result = run_pipeline(module, jitted.options, weights=weights)
+    result = run_pipeline(module, jitted.options, weights=weights, process_ids=tuple(mesh.process_ids))
     lowered = Lowered(jitted, program, result, in_leaves, arg_tree, out_tree, static, key)
     lowered.out_avals = out_avals
     return lowered
@@ -230,9 +230,11 @@ def _rng_key_leaves(program, mesh) -> list:
 def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
     """Trace and import; a shape error inside the user's function becomes a ValueError naming the shapes."""
     from spmd.frontend.constraint import TRACING_MESH
+    from spmd.frontend.joint_attention import FUSED_ATTENTION_GRAD
     from spmd.frontend.torch_export import UnsupportedOpError
 
     token = TRACING_MESH.set(jitted.mesh)
+    fused_token = FUSED_ATTENTION_GRAD.set(jitted.options.fused_attention_grad)
     quiet = [(log, log.level) for log in map(logging.getLogger, _TRACE_LOGGERS)]
     for log, _ in quiet:  # their tracebacks and graph dumps repeat the error raised below
         log.setLevel(logging.CRITICAL)
@@ -246,6 +248,7 @@ def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
         raise ValueError(f"{jitted.__name__}: tracing failed: {first} (argument shapes {shapes})") from e
     finally:
         TRACING_MESH.reset(token)
+        FUSED_ATTENTION_GRAD.reset(fused_token)
         for log, level in quiet:
             log.setLevel(level)
 

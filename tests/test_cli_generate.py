@@ -17,6 +17,15 @@ def test_generate_small_on_tp2_prints_the_report(capsys):
     assert metrics.timer("generate.decode_step").total_samples == 11
 
 
+def test_generate_with_one_shot_all_reduces(capsys):
+    marked = metrics.counter("select-all-reduce.one_shot")
+    before = marked.value
+    assert main(["generate", "--small", "--mesh", "tp=2", "--device", "cpu", "--max-new-tokens", "4",
+                 "--prompt-len", "3", "--small-all-reduce", "on"]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    assert marked.value > before
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--max-new-tokens", "0"], "--max-new-tokens: expected >= 1"),
     (["--temperature", "0"], "temperature"),

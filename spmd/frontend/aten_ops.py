@@ -500,8 +500,12 @@ def _sdpa(em: Emitter, a: dict, val) -> Instruction:
     ops = [q, k, v]
     mask = a["attn_mask"]
     if mask is not None:
-        mask_dtype = "pred" if mask.shape.dtype == "pred" else q.shape.dtype
-        ops.append(operand(em, mask, mask_dtype, q.shape.dims[:-1] + (k.shape.dims[-2],)))
+        if mask.shape.dtype == "pred":
+            # the additive bias (0 where True, -inf elsewhere) PyTorch would build from a bool mask
+            # inside every attention call, built once here: layers sharing a mask share it (cse)
+            dt, dims = q.shape.dtype, mask.shape.dims
+            mask = em.select(mask, em.scalar(0.0, dt, dims), em.scalar(float("-inf"), dt, dims))
+        ops.append(operand(em, mask, q.shape.dtype, q.shape.dims[:-1] + (k.shape.dims[-2],)))
     config = {"is_causal": bool(a["is_causal"]), "has_mask": mask is not None}
     if a["scale"] is not None:
         config["scale"] = float(a["scale"])

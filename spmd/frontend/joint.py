@@ -12,9 +12,12 @@ without a converter (the backward ops: ``_softmax_backward_data``, ``native_laye
 ``gelu_backward``, ``threshold_backward``, ...) with ``torch._decomp.core_aten_decompositions``
 into ops the importer converts. The converter table is the one ``torch.export`` programs use.
 
-``scaled_dot_product_attention`` is traced as its math definition (matmul, softmax, matmul;
-PyTorch's ``_scaled_dot_product_attention_math``) so its backward is plain dots and softmax
-backward, which the partitioner already shards.
+``scaled_dot_product_attention`` is traced as two fused ops, a forward that keeps the softmax
+statistics and its backward (``spmd.frontend.joint_attention``: custom calls ``attention-forward``
+/ ``attention-backward``, run by flash / memory-efficient kernels); where those cannot take the
+call (dropout, GQA broadcast, a mask that needs a gradient, ``CompileOptions.fused_attention_grad``
+off) it is traced as its math definition (matmul, softmax, matmul; PyTorch's
+``_scaled_dot_product_attention_math``) so its backward is plain dots and softmax backward.
 
 ``GradDetector`` is the switch: a ``TorchFunctionMode`` active while ``torch.export`` traces that
 stops the export at the first gradient request (``requires_grad_``, ``autograd.grad``, ...).
@@ -35,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from spmd.frontend.aten_common import ATEN_OPS, UnsupportedOpError
 from spmd.frontend.emitter import Emitter, dtype_of
+from spmd.frontend.joint_attention import fused_sdpa, use_fused
 from spmd.ir.hlo import Computation, Module, Shape, SourceLocation
 
 __all__ = ["GradDetector", "NeedsJoint", "import_joint", "trace_joint"]
@@ -116,7 +120,7 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 
 class _JointMode(TorchFunctionMode):
-    """Traces SDPA as its math and tags the nodes of each torch call with the caller's stack.
+    """Traces SDPA as fused ops (else its math) and tags the nodes of each torch call with the caller's stack.
 
     Backward kernels run inside ``torch.autograd.grad`` (or the ``torch.func`` transform), so
     they are tagged with the line that asked for the gradient.
@@ -125,6 +129,8 @@ class _JointMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         fx_traceback.set_stack_trace(traceback.format_stack()[:-1])
         if func is torch.nn.functional.scaled_dot_product_attention:
+            if use_fused(*args, **(kwargs or {})):
+                return fused_sdpa(*args, **(kwargs or {}))
             return _sdpa_math(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 

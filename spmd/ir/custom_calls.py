@@ -17,7 +17,9 @@ Sharding       x                           (none); the constraint is ``Instructi
 
 Ops along one dim (sort, topk, cumsum, cumprod) are registered from ``spmd.ir.custom_calls_sort``;
 ``random`` (counter-based random values; operands index, key0, key1) from ``spmd.ir.random``;
-``conv1d`` (rule ``"convolution"``, see ``spmd.passes.rules_conv``) from ``spmd.ir.custom_calls_conv``.
+``conv1d`` (rule ``"convolution"``, see ``spmd.passes.rules_conv``) from ``spmd.ir.custom_calls_conv``;
+``attention-forward`` / ``attention-backward`` (fused training attention, rule ``"attention"``) from
+``spmd.ir.custom_calls_attention``.
 
 Sharding-rule kinds (``CustomCallSpec.rule``):
 
@@ -29,7 +31,9 @@ Sharding-rule kinds (``CustomCallSpec.rule``):
   operands (layer-norm weight and bias) are replicated.
 - ``"attention"``: q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]`` and the optional
   mask (broadcastable to ``[..., Sq, Sk]``); the leading (batch, head) dims may be sharded and
-  must agree across operands; the last two dims (sequence, head dim) must be unsharded.
+  must agree across operands; the last two dims (sequence, head dim) must be unsharded. Operands after
+  q, k, v (mask; the training calls' packed forward result and output gradient) and the result
+  share the leading dims' shardings where their sizes match q's.
 - ``"convolution"``: ``conv1d`` (``spmd.ir.custom_calls_conv``).
 - ``"scan"``: cumsum / cumprod; any dim may be sharded, the scanned one through a parallel
   prefix (``spmd.passes.partition_scan``).
@@ -63,13 +67,16 @@ class CustomCallSpec:
       reduced_dims: for ``"reduction-last-dims"``, ``(config, rank) -> tuple[int, ...]`` giving
         the non-negative dims of operand 0 that must stay unsharded; None for other kinds.
       doc: one line on what it computes.
+      writes_out: ``fn`` takes a third argument ``out`` (the result's buffer, or None) and writes
+        its result there itself (saves the runtime's copy of a fresh result into the buffer).
     """
 
     target: str
-    fn: Callable[[list[torch.Tensor], Config], torch.Tensor]
+    fn: Callable[..., torch.Tensor]
     rule: str
     reduced_dims: Callable[[Config, int], tuple[int, ...]] | None = None
     doc: str = ""
+    writes_out: bool = False
 
     def __post_init__(self) -> None:
         assert self.rule in RULE_KINDS, self.rule
@@ -172,12 +179,15 @@ CUSTOM_CALLS: dict[str, CustomCallSpec] = {
 
 
 def _register_more() -> None:
+    from spmd.ir.custom_calls_attention import ATTENTION_GRAD_CALLS
     from spmd.ir.custom_calls_conv import CONV_CALLS
     from spmd.ir.custom_calls_sort import SORT_CALLS
     from spmd.ir.random import RANDOM_CALLS
 
     for target, fn, rule, reduced_dims, doc in (*SORT_CALLS, *RANDOM_CALLS, *CONV_CALLS):
         CUSTOM_CALLS[target] = CustomCallSpec(target, fn, rule, reduced_dims, doc)
+    for target, fn, rule, reduced_dims, doc in ATTENTION_GRAD_CALLS:
+        CUSTOM_CALLS[target] = CustomCallSpec(target, fn, rule, reduced_dims, doc, writes_out=True)
 
 
 _register_more()

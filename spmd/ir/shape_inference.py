@@ -282,6 +282,10 @@ def _infer(opcode: str, ops: list[Shape], attrs: dict, shape: Shape | None, num_
             raise _fail(opcode, f"parameter_number must be >= 0, got {attrs['parameter_number']}")
         if opcode == "iota":
             _dims_in_range(opcode, (attrs["iota_dimension"],), _array(opcode, shape, "result").rank, "iota_dimension")
+        if opcode == "custom-call" and not shape.is_tuple:
+            from spmd.ir.custom_calls_attention import check_result_shape
+
+            check_result_shape(attrs.get("custom_call_target", ""), ops, shape)
         return shape
     if opcode in UNARY_OPCODES or opcode in BINARY_OPCODES or opcode in ("select", "clamp"):
         return _elementwise(opcode, ops, attrs, shape)

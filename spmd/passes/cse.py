@@ -28,11 +28,11 @@ after::
 Never merged: parameters; collectives and their async start / done forms, and
 ``async-start`` / ``async-done`` (each is one transfer or one launch on a stream, with a
 matching partner); custom calls other than the pure targets of ``spmd.ir.custom_calls``
-(``PURE_CUSTOM_CALLS``: softmax, layer-norm, attention, gelu, silu, sort, topk, cumsum, cumprod, conv1d and
-random, whose values depend on their operands and backend_config only; the ``Sharding`` call
-carries a constraint and is left alone). ``partition-id`` is the same value wherever it is
-read on a device, so it merges. Instructions left without users are removed (parameters and
-the root stay). The pass runs on any module, partitioned or not.
+(``PURE_CUSTOM_CALLS``: softmax, layer-norm, attention, attention-forward, attention-backward, gelu, silu,
+sort, topk, cumsum, cumprod, conv1d and random, whose values depend on their operands and
+backend_config only; the ``Sharding`` call carries a constraint and is left alone). ``partition-id``
+is the same value wherever it is read on a device, so it merges. Instructions left without users are
+removed (parameters and the root stay). The pass runs on any module, partitioned or not.
 
 One deliberate difference from HloCSE: a ``broadcast`` of a scalar (a rank-0 operand) is not
 merged unless ``merge_scalar_broadcasts`` is set. Repeating one costs a fill or a stride-0
@@ -62,7 +62,8 @@ from spmd.passes.simplify import remove_unused
 
 #: Custom-call targets whose result depends on their operands and config only.
 PURE_CUSTOM_CALLS = frozenset({"softmax", "layer-norm", "attention", "gelu", "silu", "sort", "topk", "cumsum",
-                               "cumprod", "cummax", "cummin", "conv1d", "random"}) & frozenset(CUSTOM_CALLS)
+                               "cumprod", "cummax", "cummin", "conv1d", "random", "attention-forward",
+                               "attention-backward"}) & frozenset(CUSTOM_CALLS)
 NEVER_MERGED = frozenset({"parameter"}) | COLLECTIVE_OPCODES | ASYNC_START_OPCODES | ASYNC_DONE_OPCODES
 
 
@@ -88,9 +89,12 @@ class CSE:
         return module
 
 
-def cse_computation(comp: Computation, merge_scalar_broadcasts: bool = False) -> int:
+def cse_computation(comp: Computation, merge_scalar_broadcasts: bool = False, structural_calls: bool = False) -> int:
     """Merge the equal instructions of ``comp`` (see the module docstring); the number dropped.
 
+    ``structural_calls``: called computations are equal when they compute the same thing
+    (``computation_key``), not only when they are the same object, so two fusions the
+    fuse-elementwise pass outlined from equal chains merge.
     ``comp.instructions`` must be in def-before-use order (it stays so: the kept instruction
     of each group is its first).
     """
@@ -100,7 +104,7 @@ def cse_computation(comp: Computation, merge_scalar_broadcasts: bool = False) ->
         inst.operands = [kept.get(id(o), o) for o in inst.operands]
         if not mergeable(inst, merge_scalar_broadcasts):
             continue
-        key = instruction_key(inst)
+        key = instruction_key(inst, structural_calls)
         earlier = first.setdefault(key, inst)
         if earlier is not inst:
             kept[id(inst)] = earlier
@@ -123,16 +127,25 @@ def mergeable(inst: Instruction, merge_scalar_broadcasts: bool = False) -> bool:
     return True
 
 
-def instruction_key(inst: Instruction) -> tuple:
+def instruction_key(inst: Instruction, structural_calls: bool = False) -> tuple:
     """A hashable value equal for two instructions exactly when CSE treats them as equal.
 
     Operands enter by identity (``id``): the caller keeps them alive while keys are in use.
     """
-    attrs = tuple(sorted((k, _freeze(v)) for k, v in inst.attrs.items()))
+    attrs = tuple(sorted((k, _freeze(v, structural_calls)) for k, v in inst.attrs.items()))
     return (inst.opcode, inst.shape, tuple(id(o) for o in inst.operands), attrs, inst.sharding, inst.stream_id)
 
 
-def _freeze(value: Any) -> Any:
+def computation_key(comp: Computation) -> tuple:
+    """A hashable value equal for two computations that compute the same function of their
+    parameters: opcodes, shapes, operand positions and attributes in order, ignoring names."""
+    pos = {id(inst): k for k, inst in enumerate(comp.instructions)}
+    rows = tuple((i.opcode, i.shape, tuple(pos[id(o)] for o in i.operands),
+                  tuple(sorted((k, _freeze(v, True)) for k, v in i.attrs.items()))) for i in comp.instructions)
+    return rows, pos[id(comp.root)]
+
+
+def _freeze(value: Any, structural_calls: bool = False) -> Any:
     """``value`` as a hashable value that is equal exactly when the attribute values are equal.
 
     Type names are part of the result so that ``1``, ``1.0`` and ``True`` stay apart; floats
@@ -143,11 +156,11 @@ def _freeze(value: Any) -> Any:
         t = value.detach().cpu().contiguous()
         return ("tensor", str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
     if isinstance(value, dict):
-        return ("dict", tuple(sorted((str(k), _freeze(v)) for k, v in value.items())))
+        return ("dict", tuple(sorted((str(k), _freeze(v, structural_calls)) for k, v in value.items())))
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_freeze(v) for v in value))
+        return (type(value).__name__, tuple(_freeze(v, structural_calls) for v in value))
     if isinstance(value, float):
         return ("float", repr(value))
     if isinstance(value, Computation):
-        return ("computation", id(value))
+        return ("computation", computation_key(value)) if structural_calls else ("computation", id(value))
     return (type(value).__name__, value)

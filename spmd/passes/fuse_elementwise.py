@@ -8,7 +8,10 @@ every user of the producer is in the group, and duplicates cheap producers (broa
 transpose, slice, scalar constants, iota) that have other users, as well as cheap elementwise
 producers (add, multiply, ...) whose users can all fuse them (each consumer recomputes the
 producer, whose own kernel then goes away: a residual add read by a LayerNorm and by the next
-residual add). Each group with at least two ops that would launch a kernel becomes::
+residual add). A recomputed producer takes its own operands as inputs (one level: recomputing
+a chain of residual sums in every layer's norm would read every earlier layer's output). An
+``add`` of a single-use dot and a bias or residual is left to the runtime's addmm. Each group
+with at least two ops that would launch a kernel becomes::
 
     %fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual), kind=kLoop, calls=%fused_computation
 
@@ -23,7 +26,8 @@ other custom calls, anything with a tuple shape or no elements, values the lower
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
 and partition-id) and ops inside called computations. Members of a group share one stream id,
 and the group has at least one operand. An ``add`` of a single-use dot and a broadcast (a
-bias) is left to the runtime's addmm peephole (one GEMM with the add in its epilogue).
+bias) or a residual of the dot's shape is left to the runtime's addmm peephole (one GEMM that
+accumulates into the other operand).
 
 Example (one device)::
 
@@ -43,6 +47,7 @@ from typing import ClassVar
 
 from spmd.ir.builder import Builder
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module
+from spmd.passes.cse import cse_computation
 from spmd.passes.folding import folded_instructions
 
 #: ``random`` (spmd.ir.random) is int64 arithmetic that wraps modulo 2**64; Inductor's generated
@@ -118,7 +123,17 @@ class FuseElementwise:
             _outline(module, builder, comp, group)
         if groups:
             comp.remove_dead()
+            # equal chains (each layer's position arithmetic, say) became equal fusions: keep one
+            cse_computation(comp, merge_scalar_broadcasts=True, structural_calls=True)
+            _drop_unused_computations(module)
         return module
+
+
+def _drop_unused_computations(module: Module) -> None:
+    """Forget fused computations no instruction calls any more (their fusions were merged)."""
+    called = {id(v) for c in module.all_computations() for i in c.instructions for v in i.attrs.values()
+              if isinstance(v, Computation)}
+    module.computations[:] = [c for c in module.computations if id(c) in called]
 
 
 @dataclass
@@ -146,7 +161,10 @@ def _grow(root: Instruction, users: dict, taken: set[int]) -> _Group:
                 continue
             if all(id(u) in moved for u in users[p]):
                 moved.add(id(p))
-            elif p.opcode not in CHEAP_OPCODES and not _duplicable(p, users, root.stream_id):
+            elif p.opcode not in CHEAP_OPCODES and (id(inst) not in moved
+                                                    or not _duplicable(p, users, root.stream_id)):
+                # a recomputed producer reads its own operands as inputs: recomputing whole
+                # chains (each layer's residual sum from the embedding on) grows with depth
                 continue
             inside.add(id(p))
             stack.append(p)
@@ -201,12 +219,16 @@ def _duplicable(p: Instruction, users: dict, stream_id: int | None) -> bool:
 
 
 def _is_addmm_operand(p: Instruction, user: Instruction, users: dict) -> bool:
-    """``p`` is an ``add`` of a single-use dot and a non-kernel operand: the runtime runs it as addmm."""
+    """``p`` is an ``add`` of a single-use dot and a bias or a residual (any value of the dot's
+    shape and dtype): the runtime runs it as one addmm (cuBLAS accumulates into C)."""
     if p.opcode != "add" or user is p:
         return False
     for k, o in enumerate(p.operands):
         other = p.operands[1 - k]
-        if o.opcode == "dot" and len(users.get(o, ())) == 1 and other.opcode in CHEAP_OPCODES | {"parameter"}:
+        if o.opcode != "dot" or len(users.get(o, ())) != 1:
+            continue
+        if other.opcode in CHEAP_OPCODES | {"parameter"} or (
+                other.shape.dims == o.shape.dims and other.shape.dtype == o.shape.dtype == p.shape.dtype):
             return True
     return False
 

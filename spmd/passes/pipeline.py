@@ -4,7 +4,7 @@ Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
     import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
            → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise
-           → assign-streams → schedule
+           → select-all-reduce → assign-streams → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
 (values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
@@ -34,7 +34,8 @@ from spmd.ir.verify import verify_module
 HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
-          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "assign-streams", "schedule")
+          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "select-all-reduce",
+          "assign-streams", "schedule")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class CompileOptions:
         operands (``spmd.passes.merge_dots``; the stage then leaves the module as is when False).
       fuse_attention: rewrite dot -> scale -> softmax -> dot into one attention custom call
         (``spmd.passes.fuse_attention``).
+      fused_attention_grad: in programs that take gradients, import
+        ``F.scaled_dot_product_attention`` as fused forward / backward custom calls (flash /
+        memory-efficient kernels, ``spmd.frontend.joint_attention``); False traces its math
+        definition (dots and a softmax over the ``[..., Sq, Sk]`` scores) instead.
       fuse_elementwise: group chains of elementwise ops, reductions and norms into ``fusion``
         instructions, each run as one generated kernel on GPU (``spmd.passes.fuse_elementwise``).
       hoist_weights: compute values that depend only on weights (``spmd.jit``'s ``weight_argnums``,
@@ -64,14 +69,21 @@ class CompileOptions:
       split_batch_overlap: "auto" (the cost model decides), "on" or "off": run a row-separable
         tensor-parallel program as two interleaved batch halves so that one half's all-reduces run
         under the other half's GEMMs (``spmd.passes.split_batch``).
+      small_all_reduce: "auto" (the cost model decides per program), "on" or "off": run all-reduces
+        of at most ``small_all_reduce_max_bytes`` per device as a one-shot reduction (every device
+        copies the group's operands into fixed staging buffers and reduces them locally) instead
+        of the ring (``spmd.passes.select_all_reduce``).
+      small_all_reduce_max_bytes: the size threshold of ``small_all_reduce`` (bytes per device).
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
-      ValueError: for an unknown ``windowed_einsum`` or ``split_batch_overlap`` mode, a
+      ValueError: for an unknown ``windowed_einsum``, ``split_batch_overlap`` or ``small_all_reduce``
+        mode, a negative ``small_all_reduce_max_bytes``, a
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
-        ``fuse_attention``, ``fuse_elementwise`` or ``hoist_weights`` not a bool (or None where
-        allowed); ``num_compute_streams`` not an int; ``dump_dir`` not a path.
+        ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise`` or ``hoist_weights`` not a bool
+        (or None where allowed); ``num_compute_streams`` or ``small_all_reduce_max_bytes`` not an int;
+        ``dump_dir`` not a path.
     """
 
     windowed_einsum: str = "auto"
@@ -80,9 +92,12 @@ class CompileOptions:
     cuda_graphs: bool | None = None
     merge_dots: bool = True
     fuse_attention: bool = True
+    fused_attention_grad: bool = True
     fuse_elementwise: bool = True
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
+    small_all_reduce: str = "auto"
+    small_all_reduce_max_bytes: int = 512 * 1024
     dump_dir: str | None = None
     verify: bool | None = None
 
@@ -91,11 +106,18 @@ class CompileOptions:
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
         if self.split_batch_overlap not in ("auto", "on", "off"):
             raise ValueError(f"split_batch_overlap must be 'auto', 'on' or 'off', got {self.split_batch_overlap!r}")
+        if self.small_all_reduce not in ("auto", "on", "off"):
+            raise ValueError(f"small_all_reduce must be 'auto', 'on' or 'off', got {self.small_all_reduce!r}")
+        m = self.small_all_reduce_max_bytes
+        if not isinstance(m, int) or isinstance(m, bool):
+            raise TypeError(f"small_all_reduce_max_bytes must be an int (bytes), got {type_name(m)} {m!r}")
+        if m < 0:
+            raise ValueError(f"small_all_reduce_max_bytes must be >= 0 (bytes), got {m}")
         for name in ("bidirectional", "cuda_graphs", "verify"):
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
-        for name in ("merge_dots", "fuse_attention", "fuse_elementwise", "hoist_weights"):
+        for name in ("merge_dots", "fuse_attention", "fused_attention_grad", "fuse_elementwise", "hoist_weights"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")
@@ -162,8 +184,8 @@ class PipelineResult:
     prologue_inputs: tuple[int, ...] = ()
 
 
-def build_passes(options: CompileOptions) -> list:
-    """The pass objects for ``options``, in run order."""
+def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> list:
+    """The pass objects for ``options``, in run order (``process_ids``: the mesh's, for select-all-reduce)."""
     from spmd.passes.assign_streams import AssignStreams
     from spmd.passes.cse import CSE
     from spmd.passes.fuse_attention import FuseAttention
@@ -172,6 +194,7 @@ def build_passes(options: CompileOptions) -> list:
     from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.schedule import Schedule
+    from spmd.passes.select_all_reduce import SelectAllReduce
     from spmd.passes.simplify import Simplify
     from spmd.passes.split_batch import SplitBatch
     from spmd.passes.spmd_partition import SpmdPartition
@@ -194,14 +217,16 @@ def build_passes(options: CompileOptions) -> list:
         HoistWeights(enabled=options.hoist_weights),
         SplitBatch(mode=options.split_batch_overlap),
         FuseElementwise(enabled=options.fuse_elementwise),
+        SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
+                        process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),
         Schedule(),
     ]
 
 
 def run_pipeline(module: Module, options: CompileOptions, passes: list | None = None,
-                 weights: frozenset[int] = frozenset()) -> PipelineResult:
-    """Run ``passes`` (default: ``build_passes(options)``) over ``module``.
+                 weights: frozenset[int] = frozenset(), process_ids: tuple[int, ...] = ()) -> PipelineResult:
+    """Run ``passes`` (default: ``build_passes(options, process_ids)``) over ``module``.
 
     ``weights``: parameter numbers of weights (not donated) the hoist-weights pass may hoist
     values of (its own ``weights`` field is used when this is empty).
@@ -210,7 +235,7 @@ def run_pipeline(module: Module, options: CompileOptions, passes: list | None = 
       spmd.ir.verify.VerifyError: when verification is on and a pass produced
         an invalid module (the message names the pass).
     """
-    passes = build_passes(options) if passes is None else passes
+    passes = build_passes(options, process_ids) if passes is None else passes
     result = PipelineResult(module)
     verify = options.verify_enabled
     dump = options.dump_path

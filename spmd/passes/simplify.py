@@ -28,6 +28,8 @@ Rewrites (each instruction is replaced by one of the same shape):
 - ``reshape(reshape(x))`` -> ``reshape(x)``; ``transpose(transpose(x))`` -> one transpose of
   x by the composed permutation; ``broadcast(broadcast(x))`` -> one broadcast of x by the
   composed dims map. XLA: HandleReshape / HandleTranspose / HandleBroadcast.
+- an ``all-reduce`` / ``all-gather`` / ``reduce-scatter`` / ``all-to-all`` whose replica groups
+  are single devices (a mesh axis of size 1) -> the operand (XLA: AllReduceSimplifier).
 - a ``reshape`` to the operand's own dims, a ``transpose`` by the identity permutation, a
   ``broadcast`` to the operand's own dims in order, a ``slice`` of the whole operand with
   stride 1 and a ``dynamic-slice`` of the whole operand do nothing -> the operand. (A
@@ -197,7 +199,20 @@ def _is_identity_broadcast(x: Instruction, inst: Instruction, dims: tuple[int, .
     return x.shape == inst.shape and dims == tuple(range(len(dims)))
 
 
+def _collective(inst: Instruction) -> Instruction | NewOp | None:
+    """A collective whose every replica group is one device moves and reduces nothing -> the operand."""
+    groups = inst.attrs.get("replica_groups")
+    if not groups or any(len(g) != 1 for g in groups) or len(inst.operands) != 1:
+        return None
+    x = inst.operands[0]
+    return x if x.shape == inst.shape else None
+
+
 _RULES = {
+    "all-reduce": _collective,
+    "all-gather": _collective,
+    "reduce-scatter": _collective,
+    "all-to-all": _collective,
     "reshape": _reshape,
     "transpose": _transpose,
     "broadcast": _broadcast,

@@ -320,6 +320,8 @@ def _build_custom_call(inst: Instruction, dev) -> Kernel:
     spec = get_custom_call(inst.attrs["custom_call_target"])
     config = dict(inst.attrs.get("backend_config") or {})
     fn = spec.fn
+    if spec.writes_out:
+        return lambda ops, out: fn(ops, config, out)
 
     def kernel(ops: list[Tensor], out: Tensor | None) -> Tensor:
         return _write(out, fn(ops, config))

@@ -39,7 +39,7 @@ import torch
 
 from spmd import metrics
 from spmd.compile_lock import COMPILE_LOCK
-from spmd.ir.hlo import Computation, Instruction
+from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction
 
 Tensor = torch.Tensor
 COMPILER_ENV = "SPMD_FUSION_COMPILER"
@@ -98,6 +98,7 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
     """
     body: Computation = inst.attrs["calls"]
     structure = structure_key(body)
+    in_place_ok = pointwise_parameters(body)
     prepared: dict[tuple, list] = {}  # (device, strides) -> [mode, op-by-op fn, compiled fn or None]
 
     def kernel(ops: list[Tensor], out: Tensor | None) -> Tensor:
@@ -109,6 +110,14 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
         mode, eager, compiled = entry
         if mode == "eager" or (mode == "graphs" and not _graph_call()):
             r = eager(*ops)
+        elif out is not None and not _overlaps(out, [t for k, t in enumerate(ops)
+                                                     if not (k in in_place_ok and _same_view(t, out))]):
+            # the generated kernel stores straight into the arena buffer: no copy after it
+            writer = _compile_into(structure, eager, ops, out)
+            if writer is not None:
+                writer(*ops, out)
+                return out
+            r = eager(*ops)
         else:
             if compiled is None:
                 compiled = entry[2] = _compile(structure, eager, ops)
@@ -118,6 +127,52 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
         out.copy_(r)
         return out
     return kernel
+
+
+def pointwise_parameters(body: Computation) -> frozenset[int]:
+    """Parameter numbers of ``body`` read only element for element at the root's index: every
+    instruction reached from the parameter is elementwise and has the root's dims. The fused
+    kernel may then store its result over such an operand (each element is read before the
+    thread that writes it stores), as an optimizer writes a parameter's update over it."""
+    root_dims = body.root.shape.dims
+    users = body.users()
+    ok = set()
+    for p in body.parameters:
+        stack, seen, good = [p], set(), p.shape.dims == root_dims
+        while stack and good:
+            inst = stack.pop()
+            for u in users.get(inst, ()):
+                if id(u) in seen:
+                    continue
+                seen.add(id(u))
+                good = u.opcode in ELEMENTWISE_OPCODES and u.shape.dims == root_dims
+                stack.append(u)
+        if good:
+            ok.add(p.attrs["parameter_number"])
+    return frozenset(ok)
+
+
+def _same_view(t: Tensor, out: Tensor) -> bool:
+    return (t.device == out.device and t.data_ptr() == out.data_ptr() and t.shape == out.shape
+            and t.stride() == out.stride() and t.dtype == out.dtype)
+
+
+def _overlaps(out: Tensor, ops: list[Tensor]) -> bool:
+    """Whether ``out``'s bytes may overlap an operand's (then the result goes through a fresh buffer).
+
+    Arena buffers are views of one storage, so this compares the byte ranges the views span.
+    """
+    lo, hi = _span(out)
+    return any(t.device == out.device and a < hi and lo < b for t in ops for a, b in [_span(t)])
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr() + t.element_size() * sum(min(0, (n - 1) * st) for n, st in zip(t.shape, t.stride(),
+                                                                                          strict=True))
+    return start, start + extent * t.element_size()
 
 
 def interpreter(body: Computation, device: torch.device) -> Callable[..., Tensor]:
@@ -184,6 +239,57 @@ def _compile(structure: tuple, eager: Callable[..., Tensor], ops: list[Tensor]) 
             compiled = eager
         _cache[key] = compiled
         return compiled
+
+
+def _compile_into(structure: tuple, eager: Callable[..., Tensor], ops: list[Tensor],
+                  out: Tensor) -> Callable[..., Tensor] | None:
+    """A generated kernel ``fn(*ops, out)`` that writes the fusion's value into ``out`` (cached per
+    structure, device and layouts of ``ops`` and ``out``), or None where Inductor is unavailable
+    for it (the caller then runs op by op and copies, as ``_compile`` falls back)."""
+    key = ("into", structure, str(out.device), tuple(out.shape), out.stride(), out.dtype,
+           *((tuple(t.shape), t.stride(), t.dtype) for t in ops))
+    with COMPILE_LOCK:
+        if key in _cache:
+            metrics.counter("fusion.compile_cache.hit").inc()
+            return _cache[key]
+        try:
+            with metrics.timer("fusion.compile"):
+                writer = _inductor_into(eager, ops, out)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to op-by-op execution
+            reason = type(exc).__name__
+            metrics.counter(f"fusion.fallback.{reason}").inc()
+            if reason not in _logged:
+                _logged.add(reason)
+                first = str(exc).splitlines()[0][:200] if str(exc) else ""
+                logger.warning("fusion: running op by op (%s: %s)", reason, first)
+            writer = None
+        _cache[key] = writer
+        return writer
+
+
+def _inductor_into(fn: Callable[..., Tensor], ops: list[Tensor], out: Tensor) -> Callable[..., Tensor]:
+    """``out.copy_(fn(*ops))`` traced and compiled by Inductor, which stores the fused value into
+    ``out`` itself (a mutated graph input) instead of a fresh buffer plus a copy."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def write(*args: Tensor) -> Tensor:
+        return args[-1].copy_(fn(*args[:-1]))
+
+    with torch.no_grad():
+        want = fn(*ops)
+        scratch = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
+        gm = make_fx(write)(*ops, scratch)
+        compiled = torch._inductor.compile(gm, [*ops, scratch], options=_INDUCTOR_OPTIONS)
+        compiled(*ops, scratch)
+    if want.shape != out.shape or want.dtype != out.dtype:
+        raise RuntimeError(f"fusion value {want.dtype}{list(want.shape)} does not fit its buffer "
+                           f"{out.dtype}{list(out.shape)}")
+    if not torch.allclose(scratch.double(), want.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
+        raise RuntimeError("compiled fusion wrote a different value into its buffer")
+
+    def run(*args: Tensor) -> None:
+        compiled(*args)
+    return run
 
 
 #: Inductor config for fusions: keep every cast the program makes (a float32 -> float16 -> float32

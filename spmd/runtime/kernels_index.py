@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from spmd.ir.hlo import Instruction
+from spmd.runtime.kernels_dus import write_rows
 
 Tensor = torch.Tensor
 
@@ -96,9 +97,27 @@ def build_gather(inst: Instruction, dev=None):
 
 # --------------------------------------------------------------------------- dynamic slices
 def _start_index(start: Tensor, n: int, size: int) -> Tensor:
-    """``clamp(start, 0, n - size) + arange(size)`` as int64 on start's device."""
-    s = start.to(torch.int64).clamp(0, n - size)
-    return s + torch.arange(size, device=start.device)
+    """``clamp(start, 0, n - size) + arange(size)`` as int64 on start's device.
+
+    One kernel for a single row (a decode step's KV-cache write), two otherwise: the ``arange``
+    is made once per size and device, not per call (under CUDA graphs, a launch saved per call).
+    """
+    s = start.to(torch.int64).clamp(0, n - size).reshape(1)
+    return s if size == 1 else s + _arange(size, start.device)
+
+
+_ARANGES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _arange(size: int, device: torch.device) -> Tensor:
+    key = (size, device)
+    r = _ARANGES.get(key)
+    if r is None:
+        r = torch.arange(size, device=device)
+        # made inside a CUDA graph capture, its values would exist only once that graph replays
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ARANGES[key] = r
+    return r
 
 
 def _host_start(start: Tensor, n: int, size: int) -> int:
@@ -148,14 +167,15 @@ def build_dynamic_update_slice(inst: Instruction, dev=None):
             view.copy_(update)
         elif len(moving) == 1:
             d = moving[0]
-            r.index_copy_(d, _start_index(starts[0].to(r.device), dims[d], sizes[d]), update)
+            if not write_rows(r, d, starts[0], update):
+                r.index_copy_(d, _start_index(starts[0].to(r.device), dims[d], sizes[d]), update)
         else:
             index = []
             for d in range(len(dims)):
                 if d in moving:
                     idx = _start_index(ops[2 + d].to(r.device), dims[d], sizes[d])
                 else:
-                    idx = torch.arange(dims[d], device=r.device)
+                    idx = _arange(dims[d], r.device)
                 shape = [1] * len(dims)
                 shape[d] = -1
                 index.append(idx.reshape(shape))

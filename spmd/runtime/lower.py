@@ -11,7 +11,8 @@ each with an execution stream id; async collectives as start/done; WaitForStream
   ``spmd.passes.folding`` (shared with assign-buffers and the view analysis). On GPU, offset
   operands of dynamic-slice / dynamic-update-slice read a host copy, so the kernels never sync.
 - ``async-start`` inlines its ``calls`` computation as thunks on the async-start's stream.
-- collectives and their ``*-start`` forms become ``CollectiveThunk``s.
+- collectives and their ``*-start`` forms become ``CollectiveThunk``s; an all-reduce's algorithm
+  ("one-shot" or "ring", ``spmd.passes.select_all_reduce``) goes into its ``CollectiveSpec``.
 - every other instruction becomes a ``KernelThunk`` from ``kernels.compile_kernel``, writing
   into its arena view when a ``BufferAssignment`` places it.
 - instructions that ``spmd.passes.views`` decides are views (reshape, transpose, broadcast,
@@ -40,6 +41,7 @@ import torch
 from spmd.ir.hlo import Computation, Instruction, Module
 from spmd.passes.folding import FOLD_MAX_NUMEL as FOLD_MAX_NUMEL  # re-exported: the folding threshold
 from spmd.passes.folding import is_foldable
+from spmd.passes.select_all_reduce import ALGORITHM_KEY
 from spmd.runtime import aliasing, fusions
 from spmd.runtime.donation import plan_donation
 from spmd.runtime.stream_joins import attach_releases, stream_joins
@@ -257,10 +259,11 @@ def collective_spec(inst: Instruction, num_partitions: int) -> CollectiveSpec:
             raise NotImplementedError(f"%{inst.name}: to_apply root {reduce_op!r} is not add/maximum/minimum/multiply")
     shape = inst.shape.tuple_shapes[1] if inst.opcode in _PAIR_STARTS else inst.shape
     dims = a.get("dimensions") or (0,)
+    algorithm = (a.get("backend_config") or {}).get(ALGORITHM_KEY, "ring") if kind == "all-reduce" else "ring"
     return CollectiveSpec(kind=kind, groups=groups, dim=dims[0], split_dim=a.get("split_dimension", 0),
                           concat_dim=a.get("concat_dimension", 0), reduce_op=reduce_op,
                           pairs=tuple(tuple(p) for p in a.get("source_target_pairs", ())),
-                          out_dims=shape.dims, dtype=shape.torch_dtype)
+                          out_dims=shape.dims, dtype=shape.torch_dtype, algorithm=algorithm)
 
 
 def flatten_ref(ref: Any) -> list[int]:

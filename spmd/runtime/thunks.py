@@ -93,6 +93,9 @@ class CollectiveSpec:
       reduce_op: "add" | "maximum" | "minimum" | "multiply" (all-reduce, reduce-scatter).
       pairs: (source, target) partition ids (collective-permute).
       out_dims, dtype: per-device result shape and torch dtype.
+      algorithm: "ring" (the transport's default: NCCL, or the process group's) or "one-shot"
+        (an all-reduce: every device gathers all operands into fixed staging buffers and reduces
+        them locally in group order; chosen by ``spmd.passes.select_all_reduce``).
     """
 
     kind: str
@@ -104,6 +107,7 @@ class CollectiveSpec:
     pairs: tuple[tuple[int, int], ...] = ()
     out_dims: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
+    algorithm: str = "ring"
 
 
 @dataclass(eq=False)

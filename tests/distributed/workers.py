@@ -83,6 +83,8 @@ def cases():
         ("reduce-scatter-tp", matmul, (_rand(8, 16, seed=19), _rand(16, 12, seed=22)),
          (P("dp", "tp"), P("tp", None)), P("dp", "tp"), None),
         ("sum-all", lambda x: x.sum(0), (_rand(8, 6, seed=18),), (P(("dp", "tp")),), P(), None),
+        ("one-shot", mlp, (_rand(8, 16, seed=23), _rand(16, 32, seed=24), _rand(32, 16, seed=25)),
+         (P("dp"), P(None, "tp"), P("tp", None)), P("dp"), CompileOptions(small_all_reduce="on")),
         ("windowed", matmul, (_rand(16, 32, seed=14), _rand(32, 24, seed=15)), (P(("dp", "tp")), P(None, "tp")),
          P(None, "tp"), CompileOptions(windowed_einsum="on")),
     ]

@@ -66,12 +66,14 @@ def test_gradients_match_pytorch(fn, n):
 
 
 def test_joint_program_has_no_backward_custom_ops():
-    """Backward ops are decomposed into HLO-lite primitives (nothing new for the partitioner)."""
+    """Backward ops are decomposed into HLO-lite primitives (nothing new for the partitioner) except
+    attention, which is one fused forward and one fused backward call."""
     prog = import_program(_by_func, _inputs())
     opcodes = {i.opcode for i in prog.module.entry.instructions}
     targets = {i.attrs.get("custom_call_target") for i in prog.module.entry.instructions if i.opcode == "custom-call"}
     assert "dot" in opcodes and "reduce" in opcodes
-    assert targets <= {"softmax", "layer-norm", "gelu", "silu"}, targets
+    assert targets <= {"softmax", "layer-norm", "gelu", "silu", "attention-forward", "attention-backward"}, targets
+    assert {"attention-forward", "attention-backward"} <= targets
     assert len(prog.module.entry.parameters) == 4
 
 

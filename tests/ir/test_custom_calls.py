@@ -11,13 +11,15 @@ from spmd.ir.custom_calls import CUSTOM_CALLS, RULE_KINDS, get_custom_call
 
 def test_registry_targets_and_rules():
     assert set(CUSTOM_CALLS) == {"softmax", "layer-norm", "attention", "gelu", "silu", "Sharding",
-                                 "sort", "topk", "cumsum", "cumprod", "cummax", "cummin", "random", "conv1d"}
+                                 "sort", "topk", "cumsum", "cumprod", "cummax", "cummin", "random", "conv1d",
+                                 "attention-forward", "attention-backward"}
     assert {s.rule for s in CUSTOM_CALLS.values()} == RULE_KINDS
     assert CUSTOM_CALLS["softmax"].unsharded_dims({"dim": -1}, 3) == (2,)
     assert CUSTOM_CALLS["softmax"].unsharded_dims({"dim": 1}, 3) == (1,)
     assert CUSTOM_CALLS["softmax"].num_trailing_dims({"dim": 1}, 3) == 2
     assert CUSTOM_CALLS["layer-norm"].unsharded_dims({"normalized_ndim": 2}, 4) == (2, 3)
     assert CUSTOM_CALLS["attention"].unsharded_dims({}, 4) == (2, 3)
+    assert CUSTOM_CALLS["attention-backward"].unsharded_dims({}, 4) == (2, 3)
     assert CUSTOM_CALLS["gelu"].unsharded_dims({}, 2) == ()
     with pytest.raises(ValueError, match="unknown custom_call_target"):
         get_custom_call("fft")

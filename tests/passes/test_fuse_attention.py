@@ -281,8 +281,8 @@ def fusing_pipeline(monkeypatch):
     """spmd.jit with fuse-attention after windowed-einsum (and a fresh process-wide compile cache)."""
     original = pipeline.build_passes
 
-    def build(options):
-        passes = original(options)
+    def build(options, *args):
+        passes = original(options, *args)
         k = next(i for i, p in enumerate(passes) if p.name == "windowed-einsum") + 1
         return [*passes[:k], FuseAttention(dtypes=FLOAT_DTYPES), *passes[k:]]
 

@@ -386,3 +386,28 @@ def test_two_layer_bert_with_random_weights():
         count = pm.lowered.as_text("fuse-elementwise").count(" fusion(")
         assert count >= 2 * cfg.num_hidden_layers if fused else count == 0
         assert _rel_err(got, want) < 1e-5, (n, fused)
+
+
+def test_equal_chains_become_one_fusion():
+    """Two layers' equal position arithmetic (the same chain on the same operands, with constants
+    broadcast separately) is outlined once: the fusions merge after outlining."""
+    text = """HloModule m, num_partitions=1, mesh={tp=1}, is_partitioned=true
+
+ENTRY %main (s: s64[1], x: f32[1,8], y: f32[1,8]) -> (s64[1], s64[1]) {
+  %s = s64[1] parameter(0)
+  %x = f32[1,8] parameter(1)
+  %y = f32[1,8] parameter(2)
+  %c = s64[] constant(4)
+  %b1 = s64[1] broadcast(%c), dimensions={}
+  %a1 = s64[1] add(%s, %b1)
+  %m1 = s64[1] multiply(%a1, %a1)
+  %b2 = s64[1] broadcast(%c), dimensions={}
+  %a2 = s64[1] add(%s, %b2)
+  %m2 = s64[1] multiply(%a2, %a2)
+  ROOT %out = (s64[1], s64[1]) tuple(%m1, %m2)
+}
+"""
+    mod = FuseElementwise().run(parse_module(text))
+    fusions = [i for i in mod.entry.instructions if i.opcode == "fusion"]
+    assert len(fusions) == 1 and mod.entry.root.operands == [fusions[0], fusions[0]]
+    assert len([c for c in mod.computations if c.name.startswith("fused")]) == 1

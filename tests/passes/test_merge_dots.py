@@ -49,9 +49,9 @@ def _strip_metadata(text: str) -> str:
 
 
 # --------------------------------------------------------------------------- pipeline helpers
-def _with_merge(options):
+def _with_merge(options, *args):
     """The pipeline's passes with merge-dots right after windowed-einsum."""
-    passes = ORIGINAL_BUILD_PASSES(options)
+    passes = ORIGINAL_BUILD_PASSES(options, *args)
     k = next(i for i, p in enumerate(passes) if isinstance(p, WindowedEinsum))
     return [*passes[:k + 1], MergeDots(), *passes[k + 1:]]
 

@@ -243,3 +243,41 @@ def test_masked_heads_numerics(n, heads):
     want = masked_heads(q.double(), k.double(), v.double(), keep.double())
     got = f(q, k, v, keep).to_torch()
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+# --------------------------------------------------------------------------- collectives over one device
+SINGLETON_AXIS = """HloModule m, num_partitions=2, mesh={dp=2,tp=1}, is_partitioned=true
+
+%add.f32 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %r = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8] parameter(0), sharding={devices=[2,1]<=[2]}
+  %n = f32[4,8] negate(%x), sharding={devices=[2,1]<=[2]}
+  %ar = f32[4,8] all-reduce(%n), replica_groups={{0},{1}}, to_apply=%add.f32, sharding={devices=[2,1]<=[2]}
+  %ag = f32[4,8] all-gather(%ar), replica_groups={{0},{1}}, dimensions={1}, sharding={devices=[2,1]<=[2]}
+  %keep = f32[4,8] all-reduce(%ag), replica_groups={{0,1}}, to_apply=%add.f32, sharding={devices=[2,1]<=[2]}
+  ROOT %e = f32[4,8] exponential(%keep), sharding={devices=[2,1]<=[2]}
+}
+"""
+
+
+def test_collectives_over_single_device_groups_are_dropped():
+    got, mod = _run(SINGLETON_AXIS)
+    assert _opcodes(mod) == ["parameter", "negate", "all-reduce", "exponential"]
+    assert re.search(r"all-reduce\(%n\), .*replica_groups=\{\{0,1\}\}", got)
+
+
+def test_decode_on_a_one_device_mesh_has_no_collectives():
+    from spmd.models.llama_lm import llama_lm
+
+    model = llama_lm("llama2-7b", 1, small=True, dtype=torch.float32, seed=0)
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:1")
+    gen = spmd.Generator(model, mesh, max_batch=1, max_seq=12, prefill_len=4)
+    gen.generate([[1, 2, 3]], 2)
+    for program in gen.programs(spmd.generation.Sampling()):
+        (compiled,) = program._cache.values()
+        assert compiled.collectives() == []

@@ -295,8 +295,91 @@ def test_inductor_on_a_cpu_thread_pool_compiles_once_and_keeps_casts(monkeypatch
     def f(a):
         return (a * 3).half().float() - a * 3
 
-    hits = _counter("fusion.compile_cache.hit")
+    hits, fallbacks = _counter("fusion.compile_cache.hit"), _fallbacks()
     y = spmd.jit(f, mesh=mesh, in_shardings=spmd.PartitionSpec("tp"), out_shardings=spmd.PartitionSpec("tp"))(x)
     assert torch.equal(y.to_torch(), f(x))
     assert _counter("fusion.compile_cache.hit") == hits + 3
-    assert not [k for k in metrics.snapshot()["counters"] if k.startswith("fusion.fallback.")]
+    assert _fallbacks() == fallbacks
+
+
+# --------------------------------------------------------------------------- writing into the arena buffer
+def test_a_generated_kernel_writes_into_out_without_a_copy(monkeypatch, fresh_cache):
+    """With an ``out`` buffer that overlaps no operand, the fusion compiles a writer that stores into
+    ``out`` (no fresh result plus ``out.copy_``); an ``out`` overlapping an operand keeps the copy."""
+    monkeypatch.setattr(kf, "fusion_compiler", lambda device: "inductor")
+    into_calls, plain_calls = [], []
+
+    def fake_into(fn, ops, out):
+        into_calls.append(len(ops))
+        return lambda *a: a[-1].copy_(fn(*a[:-1]))
+
+    def fake_compile(structure, eager, ops):
+        plain_calls.append(len(ops))
+        return eager
+
+    monkeypatch.setattr(kf, "_inductor_into", fake_into)
+    monkeypatch.setattr(kf, "_compile", fake_compile)
+    (inst,) = _fusions(parse_module(FUSED_BY_HAND))
+    kernel = compile_kernel(inst, CPU)
+    ops = _operands(inst)
+    want = kf.interpreter(inst.attrs["calls"], CPU)(*ops)
+    arena = torch.empty(want.numel() * 2 + 16, dtype=want.dtype)
+    out = arena[16:16 + want.numel()].view(want.shape)
+    assert kernel(ops, out) is out and torch.equal(out, want)
+    assert into_calls == [len(ops)] and plain_calls == []
+    kernel(ops, out)  # cached: no second compile
+    assert into_calls == [len(ops)]
+    # an operand living in the same bytes as out: computed into a fresh tensor, then copied
+    aliased = [arena[16:16 + ops[0].numel()].view(ops[0].shape).copy_(ops[0]), *ops[1:]]
+    want2 = kf.interpreter(inst.attrs["calls"], CPU)(*aliased)
+    assert kernel(aliased, out) is out and torch.equal(out, want2) and plain_calls == [len(ops)]
+
+
+def test_byte_spans_of_views_of_one_storage():
+    base = torch.zeros(100)
+    a, b, c = base[0:10], base[10:20], base[5:15]
+    assert not kf._overlaps(a, [b]) and kf._overlaps(a, [c]) and kf._overlaps(b, [c])
+    t = base[:20].view(4, 5).t()  # strided view spans 20 floats
+    assert kf._overlaps(t, [base[19:20]]) and not kf._overlaps(t, [base[20:30]])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_cxx(), reason="Inductor on CPU needs a C++ compiler")
+def test_inductor_writer_stores_into_out_on_cpu(monkeypatch, fresh_cache):
+    monkeypatch.setenv(kf.COMPILER_ENV, "inductor")
+    a, _ = _fusions(_fused(TWO_LAYERS))
+    ops = _operands(a)
+    want = kf.interpreter(a.attrs["calls"], CPU)(*ops)
+    out = torch.full_like(want, float("nan"))
+    ptr = out.data_ptr()
+    assert compile_kernel(a, CPU)(ops, out) is out and out.data_ptr() == ptr
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert any(k[0] == "into" for k in kf._cache)
+
+
+def test_pointwise_parameters_of_fused_bodies():
+    (upd,) = _fusions(_fused(DONATED))  # x * 0.9 - tanh(g): both operands read element for element
+    assert {0, 1} <= kf.pointwise_parameters(upd.attrs["calls"])
+    a, _ = _fusions(_fused(TWO_LAYERS))  # scale, residual, LayerNorm: the norm reads whole rows
+    body = a.attrs["calls"]
+    assert len(kf.pointwise_parameters(body)) < len(body.parameters)
+
+
+def test_an_update_stored_over_its_pointwise_operand_skips_the_copy(monkeypatch, fresh_cache):
+    """An optimizer-style update whose buffer is its own (donated) operand, read only element for
+    element, is written by the generated kernel in place; the value equals the op-by-op one."""
+    monkeypatch.setattr(kf, "fusion_compiler", lambda device: "inductor")
+    into = []
+
+    def fake_into(fn, ops, out):
+        into.append(1)
+        return lambda *a: a[-1].copy_(fn(*a[:-1]))
+
+    monkeypatch.setattr(kf, "_inductor_into", fake_into)
+    monkeypatch.setattr(kf, "_compile", lambda structure, eager, ops: pytest.fail("took the copy path"))
+    (inst,) = _fusions(_fused(DONATED))
+    ops = _operands(inst)
+    x = ops[0]
+    want = kf.interpreter(inst.attrs["calls"], CPU)(x.clone(), *ops[1:])
+    assert compile_kernel(inst, CPU)(ops, x) is x and into == [1]
+    assert torch.equal(x, want)

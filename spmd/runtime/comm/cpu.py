@@ -3,16 +3,21 @@
 Plain torch ops (concatenate, stacked reductions, clones), following the reference
 interpreter ``spmd.ir.evaluate`` so both give bit-identical results. Every result is a fresh
 tensor per device (devices never share memory), so the runtime may write into it in place.
+An all-reduce with ``algorithm="one-shot"`` runs ``spmd.runtime.comm.one_shot`` (fixed staging
+buffers, reduced locally in group order): the algorithm of the CUDA backend, with host copies;
+calls of one executable from several threads take turns on its staging buffers (a lock).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from spmd.runtime.comm.base import chunk_index, reduce_stack
+from spmd.runtime.comm.one_shot import StagingBuffers, is_one_shot, one_shot_cpu
 from spmd.runtime.thunks import CollectiveSpec
 
 Tensor = torch.Tensor
@@ -23,10 +28,15 @@ class CpuCommunicator:
 
     def __init__(self, num_devices: int) -> None:
         self.pids = tuple(range(num_devices))
+        self.staging = StagingBuffers([torch.device("cpu")] * num_devices)
+        self._staging_lock = threading.Lock()
 
     def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int = 0,
             envs: Sequence[Any] = ()) -> list[Tensor]:
         """Run ``spec`` on ``inputs[pid]``; returns ``out[pid]`` (see ``comm.base``)."""
+        if is_one_shot(spec):
+            with self._staging_lock:
+                return one_shot_cpu(spec, list(inputs), self.staging, stream_id)
         fn = _KINDS.get(spec.kind)
         if fn is None:
             raise ValueError(f"collective kind: expected one of {sorted(_KINDS)}, got {spec.kind!r}")

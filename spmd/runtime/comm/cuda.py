@@ -18,16 +18,19 @@
   stream, which then already holds the first copy), and the two directions of a ring step
   would run one after the other instead of at once.
 
-- all-reduce of at most ``p2p_all_reduce_max_bytes`` per device (opt-in; one-shot, like the
-  custom all-reduces of TensorRT-LLM and vLLM for small messages): every device pulls every
-  peer's operand with a copy-engine peer copy (all copies at once, on per-device send streams as
-  for a collective-permute) and adds the operands in partition-id order on its collective
-  stream, so every device computes bit-identical sums. Its kernels are cheaper than NCCL's
-  (MiniLM's [8,128,384] float32 all-reduce on 2xH200: a 6.2 µs peer copy and a 2.0 µs add
-  against a 16.3 µs NCCL ring kernel), but its cross-device event joins cost more inside a CUDA
-  graph than NCCL's in-kernel flag synchronization: the MiniLM graph replayed in 1033 µs
-  against 980 µs with NCCL, the transformer block in 117 against 97 µs. It is therefore off by
-  default (``P2P_ALL_REDUCE_MAX_BYTES = 0``).
+- one-shot all-reduces (``CollectiveSpec.algorithm == "one-shot"``, chosen by
+  ``spmd.passes.select_all_reduce``; also every add all-reduce of at most
+  ``p2p_all_reduce_max_bytes`` per device, an opt-in override): ``spmd.runtime.comm.one_shot`` --
+  every device pulls every peer's operand with a copy-engine peer copy into fixed staging buffers
+  (all copies at once, on per-device send streams as for a collective-permute) and reduces them
+  in partition-id order on its collective stream, so every device computes bit-identical results.
+  Its kernels are cheaper than NCCL's (MiniLM's [8,128,384] float32 all-reduce on 2xH200: a
+  6.2 µs peer copy and a 2.0 µs add against a 16.3 µs NCCL ring kernel), but its cross-device
+  event joins cost more inside a CUDA graph than NCCL's in-kernel flag synchronization (the
+  MiniLM graph replayed in 1033 µs against 980 µs with NCCL, the transformer block in 117
+  against 97 µs), and a program with one cannot be captured as one graph per device. The cost
+  model (``spmd.passes.all_reduce_cost``) weighs both; the override is off by default
+  (``P2P_ALL_REDUCE_MAX_BYTES = 0``).
 
 Peer access is enabled once at construction (a first tiny copy between every pair does it),
 so that later copies — and CUDA graph captures — go device to device.
@@ -47,6 +50,7 @@ import torch
 
 from spmd.runtime.comm.base import chunk_index, reduce_stack
 from spmd.runtime.comm.nan_reduce import run_nan_safe
+from spmd.runtime.comm.one_shot import StagingBuffers, is_one_shot, one_shot_cuda
 from spmd.runtime.thunks import CollectiveSpec
 
 Tensor = torch.Tensor
@@ -112,6 +116,7 @@ class CudaCommunicator:
         self.p2p_max_bytes = limit
         enable_peer_access(self.devices)
         self._send: dict[tuple[int, int], tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event]] = {}
+        self.staging = StagingBuffers(self.devices)
 
     def nccl_only(self, spec: CollectiveSpec) -> bool:
         """Whether ``spec`` runs as NCCL kernels alone: no peer copy and no cross-device event.
@@ -121,10 +126,7 @@ class CudaCommunicator:
         """
         if not self.use_nccl or spec.kind not in ("all-gather", "reduce-scatter", "all-reduce"):
             return False
-        if spec.kind == "all-reduce" and spec.reduce_op == "add":
-            nbytes = math.prod(spec.out_dims) * torch.empty((), dtype=spec.dtype).element_size()
-            return nbytes > self.p2p_max_bytes
-        return True
+        return spec.kind != "all-reduce" or not self.one_shot(spec)
 
     def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
         """Run ``spec`` with ``inputs[pid]``; every device uses its stream ``stream_id``."""
@@ -143,7 +145,7 @@ class CudaCommunicator:
         if spec.kind == "reduce-scatter":
             return self._nccl_reduce_scatter(spec, x, streams) if self.use_nccl else self._copy_reduce(spec, x, True)
         if spec.kind == "all-reduce":
-            if spec.reduce_op == "add" and 0 < x[0].numel() * x[0].element_size() <= self.p2p_max_bytes:
+            if self.one_shot(spec):
                 return self._p2p_all_reduce(spec, x, streams, stream_id)
             return self._nccl_all_reduce(spec, x, streams) if self.use_nccl else self._copy_reduce(spec, x, False)
         raise ValueError(f"collective kind: expected one of all-gather, reduce-scatter, all-reduce, all-to-all, "
@@ -219,37 +221,19 @@ class CudaCommunicator:
                 out[p] = torch.zeros(spec.out_dims, dtype=spec.dtype, device=self.devices[p])
         return out
 
+    def one_shot(self, spec: CollectiveSpec) -> bool:
+        """Whether all-reduce ``spec`` runs one-shot: chosen by the compiler, or an add of at most
+        ``p2p_max_bytes`` per device (the ``SPMD_P2P_ALL_REDUCE_MAX_BYTES`` override)."""
+        if is_one_shot(spec):
+            return True
+        if not self.p2p_max_bytes or spec.reduce_op != "add":
+            return False
+        return 0 < math.prod(spec.out_dims) * spec.dtype.itemsize <= self.p2p_max_bytes
+
     def _p2p_all_reduce(self, spec: CollectiveSpec, x: list[Tensor], streams: Sequence[Any],
                         stream_id: int) -> list[Tensor]:
-        """One-shot all-reduce (sum): peer copies of every operand, then adds in partition-id order."""
-        srcs = sorted({p for g in spec.groups if len(g) > 1 for p in g})
-        for src in srcs:  # fork every send stream before any copy is issued
-            send, fork, _ = self._send_stream(src, stream_id)
-            fork.record(streams[src])
-            send.wait_event(fork)
-        pulled: dict[tuple[int, int], Tensor] = {}
-        for g in spec.groups:
-            for src in g:
-                torch.cuda.set_stream(self._send_stream(src, stream_id)[0])
-                for dst in g:
-                    if dst != src:
-                        buf = torch.empty(spec.out_dims, dtype=spec.dtype, device=self.devices[dst])
-                        buf.copy_(x[src], non_blocking=True)
-                        pulled[(src, dst)] = buf
-                torch.cuda.set_stream(streams[src])
-        for src in srcs:  # the collective's stream knows the operand is no longer read
-            send, _, join = self._send_stream(src, stream_id)
-            join.record(send)
-            streams[src].wait_event(join)
-        out: list = [None] * len(x)
-        for g in spec.groups:
-            for dst in g:
-                terms = [x[dst] if src == dst else pulled[(src, dst)] for src in g]
-                acc = terms[0] + terms[1] if len(terms) > 1 else terms[0].clone()
-                for t in terms[2:]:
-                    acc.add_(t)
-                out[dst] = acc
-        return out
+        """One-shot all-reduce: peer copies into staging buffers, then a reduction in partition-id order."""
+        return one_shot_cuda(spec, x, self.staging, streams, lambda pid: self._send_stream(pid, stream_id), stream_id)
 
     def _all_to_all(self, spec: CollectiveSpec, x: list[Tensor]) -> list[Tensor]:
         out: list = [None] * len(x)

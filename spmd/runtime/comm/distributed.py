@@ -9,7 +9,9 @@ to ``source_target_pairs`` targets; a device no pair targets gets zeros).
 Every process must create the same sub-groups in the same order (``dist.new_group`` is a
 collective call): the constructor walks the program's collectives, which are identical on
 every rank. Backends: NCCL (one GPU per process) and gloo (CPU; its missing reduce-scatter is
-done as all-reduce then slice).
+done as all-reduce then slice). One-shot all-reduces (``CollectiveSpec.algorithm``) run PyTorch's
+symmetric-memory one-shot kernel where it is available (``spmd.runtime.comm.symmetric``), else
+the process group's all-reduce.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from spmd.runtime.comm.base import chunk_index
 from spmd.runtime.comm.nan_reduce import run_nan_safe
+from spmd.runtime.comm.symmetric import SymmetricOneShot
 from spmd.runtime.thunks import CollectiveSpec
 
 Tensor = torch.Tensor
@@ -56,6 +59,7 @@ class DistributedCommunicator:
                 key = tuple(sorted(g))
                 if key not in self._groups:
                     self._groups[key] = dist.group.WORLD if len(key) == world else dist.new_group(list(key))
+        self.one_shot = SymmetricOneShot(pid, specs, self._groups, device)
 
     def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
         """Run ``spec`` with this device's operand ``inputs[0]``; returns ``[result]``."""
@@ -76,6 +80,10 @@ class DistributedCommunicator:
             dist.all_gather(parts, x, group=pg)
             by_rank = dict(zip(sorted(group), parts, strict=True))
             return torch.cat([by_rank[p] for p in group], dim=spec.dim)
+        if spec.kind == "all-reduce" and spec.algorithm == "one-shot":
+            y = self.one_shot.run(spec, x)
+            if y is not None:
+                return y
         y = x.clone()
         dist.all_reduce(y, op=_OPS[spec.reduce_op], group=pg)
         if spec.kind == "all-reduce":

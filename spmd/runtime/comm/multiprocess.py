@@ -4,14 +4,17 @@ Each process drives ``pids`` (its partitions, ordered by (rank, local device)). 
 collective:
 
 - replica groups whose members are all local run on the local communicator (the virtual-CPU or
-  CUDA peer-copy/NCCL paths), with partition ids renumbered to local indices;
+  CUDA peer-copy/NCCL paths, one-shot all-reduces included), with partition ids renumbered to
+  local indices;
 - groups spanning processes are bucketed by the set of processes they touch (groups of one bucket
   run as one stacked ``torch.distributed`` call). all-reduce / reduce-scatter in ``gather`` mode
   (the default on the CPU, see ``reduce_mode``) all-gather the operands and add them in group
   order, bit-identical to one process; in ``reduce`` mode (the default on CUDA) they first reduce
   the local members, then reduce across processes: on one host one all-reduce (or
   ``reduce_scatter_tensor`` into a preallocated buffer when each process holds one member in group
-  order), across hosts hierarchically — intra-host all-reduce then inter-host all-reduce between
+  order; a one-shot all-reduce (``CollectiveSpec.algorithm``) of a sum on one host runs PyTorch's
+  symmetric-memory one-shot kernel, ``spmd.runtime.comm.symmetric``, where it is available), across
+  hosts hierarchically — intra-host all-reduce then inter-host all-reduce between
   processes of equal intra-host index (the 2-D all-reduce of Horovod / NCCL's tree-ring split).
   all-gather stacks the local members (zero-padded to the same count per process) and calls
   ``all_gather_into_tensor`` into a preallocated buffer;
@@ -40,6 +43,8 @@ import torch.distributed as dist
 from spmd.distributed.guard import guarded, subgroup
 from spmd.runtime.comm.base import chunk_index, reduce_stack
 from spmd.runtime.comm.nan_reduce import run_nan_safe
+from spmd.runtime.comm.symmetric import DTYPES as SYMM_DTYPES
+from spmd.runtime.comm.symmetric import one_shot_sum, symm_mem_supported, symmetric_buffer
 from spmd.runtime.thunks import CollectiveSpec
 
 Tensor = torch.Tensor
@@ -70,6 +75,8 @@ class MultiProcessCommunicator:
         self.comm_id = state.next_id("comm")
         self.reduce_mode = reduce_mode(local_is_cuda=bool(getattr(local, "devices", None)))
         self.calls = -1  # index of the running collective (the same on every rank: one program everywhere)
+        self._symm: dict[tuple, tuple[Tensor, str]] = {}  # (procs, shape, dtype) -> symmetric buffer, group name
+        self._symm_reason: str | None = None  # why symmetric memory cannot serve here ("" when it can)
 
     def run(self, spec: CollectiveSpec, inputs: Sequence[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
         """Run ``spec``; ``inputs[k]`` is the operand of ``pids[k]``; returns one fresh tensor per local device."""
@@ -132,9 +139,42 @@ class MultiProcessCommunicator:
                 p = next(p for p in g if p in self.local_index)
                 out[self.local_index[p]] = chunk.to(x[self.local_index[p]].device)
             return
-        self._all_reduce(spec, stacked, procs)
+        one_shot = self._one_shot(spec, stacked, procs)
+        if one_shot is None:
+            self._all_reduce(spec, stacked, procs)
+        else:
+            stacked = one_shot
         for b, g in enumerate(groups):
             self._deliver(spec, x, out, g, stacked[b])
+
+    def _one_shot(self, spec, stacked: Tensor, procs) -> Tensor | None:
+        """``stacked`` summed over ``procs`` by the symmetric-memory one-shot kernel, or None where it does
+        not apply (not a one-shot sum, several hosts, a dtype or device it does not serve). The buffer of
+        each (procs, shape, dtype) is rendezvoused at its first use, which every rank of ``procs`` reaches
+        in the same collective (one program everywhere)."""
+        if spec.kind != "all-reduce" or spec.algorithm != "one-shot" or spec.reduce_op != "add":
+            return None
+        if stacked.dtype not in SYMM_DTYPES or not stacked.numel():
+            return None
+        if len({self.state.info.node_of_rank[r] for r in procs}) != 1:  # the kernel reads peers over NVLink
+            return None
+        if self._symm_reason is None:
+            self._symm_reason = symm_mem_supported(stacked.device)
+        if self._symm_reason:
+            return None
+        key = (procs, tuple(stacked.shape), stacked.dtype)
+        if key not in self._symm:
+            name = subgroup(self.state, procs).group_name
+            try:
+                with guarded(self, "symmetric-memory rendezvous", procs):
+                    self._symm[key] = (symmetric_buffer(stacked.shape, stacked.dtype, stacked.device, name), name)
+            except RuntimeError as e:  # unsupported here (every rank alike): the process-group all-reduce
+                self._symm_reason = f"symmetric-memory set-up failed: {e}"
+                warnings.warn(f"one-shot all-reduces run as process-group all-reduces: {self._symm_reason}",
+                              stacklevel=2)
+                return None
+        with guarded(self, "all-reduce (one-shot)", procs):
+            return one_shot_sum(*self._symm[key], stacked)
 
     def _deliver(self, spec, x, out, g, total: Tensor) -> None:
         """Give each local member of ``g`` the reduced ``total`` (all-reduce) or its chunk (reduce-scatter)."""

@@ -1,0 +1,163 @@
+"""attention-forward / attention-backward kernels against PyTorch eager autograd (float64 reference).
+
+Also the kernel choice: CPU takes ATen's flash kernel for CPU where it applies; the math kernel
+gives the same numbers. The GPU test checks that CUDA picks a fused kernel and matches.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spmd.ir.custom_calls import get_custom_call
+from spmd.ir.custom_calls_attention import _as4d, _bias, _choose, grads_width, stat_columns
+
+
+def _reference(q, k, v, mask, causal, scale, do):
+    """(out, dq, dk, dv) by eager SDPA in float64."""
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m, is_causal=causal, scale=scale)
+    return (out, *torch.autograd.grad(out, (qd, kd, vd), do.double()))
+
+
+def _run(q, k, v, mask, causal, scale, do, backend="auto"):
+    """(out, dq, dk, dv) through the two custom-call kernels."""
+    config = {"is_causal": causal, "has_mask": mask is not None, "backend": backend}
+    if scale is not None:
+        config["scale"] = scale
+    masks = [] if mask is None else [mask.expand(*q.shape[:-1], k.shape[-2])]
+    packed = get_custom_call("attention-forward").fn([q, k, v, *masks], config)
+    assert packed.shape == (*q.shape[:-1], v.shape[-1] + stat_columns(q.dtype)) and packed.dtype == q.dtype
+    grads = get_custom_call("attention-backward").fn([q, k, v, packed, do, *masks], config)
+    assert grads.shape == (*q.shape[:-2], 1, grads_width(q.shape, k.shape, v.shape))
+    n_q, n_k = q.shape[-2] * q.shape[-1], k.shape[-2] * k.shape[-1]
+    flat = grads.squeeze(-2)
+    dq = flat[..., :n_q].reshape(q.shape)
+    dk = flat[..., n_q:n_q + n_k].reshape(k.shape)
+    dv = flat[..., n_q + n_k:].reshape(v.shape)
+    return packed[..., :v.shape[-1]], dq, dk, dv
+
+
+CASES = [  # (q shape, Sk, Dv, causal, mask kind, scale)
+    ((2, 3, 5, 4), 7, 4, False, None, None),
+    ((2, 3, 6, 4), 6, 4, True, None, None),
+    ((2, 3, 5, 4), 7, 4, False, "bool", None),
+    ((2, 3, 5, 4), 7, 4, False, "float", 0.3),
+    ((3, 5, 8), 4, 6, False, None, None),  # Dv != D: math kernel
+    ((2, 2, 3, 5, 4), 5, 4, False, "bool", None),  # rank 5
+    ((2, 2, 3, 5, 4), 5, 4, True, None, 0.7),
+]
+
+
+def _inputs(shape, sk, dv, mask_kind, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*shape, generator=g).to(dtype)
+    k = torch.randn(*shape[:-2], sk, shape[-1], generator=g).to(dtype)
+    v = torch.randn(*shape[:-2], sk, dv, generator=g).to(dtype)
+    do = torch.randn(*shape[:-1], dv, generator=g).to(dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(shape[-2], sk, generator=g) > 0.3
+        mask[:, 0] = True  # every row attends somewhere
+    elif mask_kind == "float":
+        mask = torch.randn(shape[-2], sk, generator=g).to(dtype)
+    return q, k, v, mask, do
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_eager_autograd(case, dtype, tol, backend):
+    shape, sk, dv, causal, mask_kind, scale = CASES[case]
+    q, k, v, mask, do = _inputs(shape, sk, dv, mask_kind, dtype)
+    want = _reference(q, k, v, mask, causal, scale, do)
+    got = _run(q, k, v, mask, causal, scale, do, backend)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=name)
+
+
+def test_bfloat16_within_rounding():
+    q, k, v, mask, do = _inputs((2, 4, 16, 16), 16, 16, None, torch.bfloat16)
+    want = _reference(q, k, v, None, True, None, do)
+    for backend in ("auto", "math"):
+        got = _run(q, k, v, None, True, None, do, backend)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2, msg=f"{backend} {name}")
+
+
+def _kind(q, k, v, mask=None, causal=False, backend="auto"):
+    q4, k4, v4 = (_as4d(t).contiguous() for t in (q, k, v))
+    return _choose(q4, k4, v4, _bias(mask, q4, k4, q.shape[:-2]), causal, 0.5, {"backend": backend})
+
+
+def test_cpu_picks_the_flash_kernel_for_cpu():
+    q, k, v, mask, _ = _inputs((2, 3, 5, 4), 7, 4, "bool", torch.float32)
+    assert _kind(q, k, v) == "flash-cpu"
+    assert _kind(q, k, v, mask) == "flash-cpu"
+    assert _kind(q, k, v, causal=True) == "flash-cpu"
+    assert _kind(q.double(), k.double(), v.double()) == "flash-cpu"
+    assert _kind(q, k, v, backend="math") == "math"
+    q, k, v, _, _ = _inputs((3, 5, 8), 4, 6, None, torch.float32)
+    assert _kind(q, k, v) == "math"  # head dims differ: the flash kernel needs D == Dv
+
+
+def test_unknown_backend_is_a_value_error():
+    q, k, v, _, _ = _inputs((1, 1, 2, 4), 2, 4, None, torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        get_custom_call("attention-forward").fn([q, k, v], {"backend": "triton"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", [None, "float"])
+def test_cuda_picks_a_fused_kernel_and_matches(dtype, mask_kind):
+    """Llama-like head shapes: a fused CUDA kernel (flash / efficient / cuDNN) is chosen and its
+    output and gradients match the float64 reference as closely as the math kernel's do."""
+    q, k, v, mask, do = (None if t is None else t.cuda() for t in _inputs((2, 8, 256, 64), 256, 64, mask_kind, dtype))
+    causal = mask is None
+    kind = _kind(q, k, v, mask, causal)
+    assert kind in ("flash", "efficient", "cudnn"), kind
+    want = _reference(q, k, v, mask, causal, None, do)
+    got = _run(q, k, v, mask, causal, None, do)
+    ref = _run(q, k, v, mask, causal, None, do, backend="math")
+    for name, a, b, m in zip(("out", "dq", "dk", "dv"), got, want, ref, strict=True):
+        err, err_math = (a.double() - b).abs().max().item(), (m.double() - b).abs().max().item()
+        assert err <= 4 * err_math + 1e-2, (name, kind, err, err_math)
+
+
+def test_results_written_into_the_given_buffer():
+    """The runtime passes the result's buffer: contiguous ones are written in place, others copied into."""
+    q, k, v, _, do = _inputs((2, 3, 5, 4), 5, 4, None, torch.float32)
+    fwd, bwd = get_custom_call("attention-forward"), get_custom_call("attention-backward")
+    assert fwd.writes_out and bwd.writes_out
+    packed = fwd.fn([q, k, v], {})
+    for buf in (torch.full_like(packed, float("nan")), torch.full((2, 3, 5, 9), float("nan"))[..., :5]):
+        assert fwd.fn([q, k, v], {}, buf) is buf
+        assert torch.equal(buf, packed)
+    grads = bwd.fn([q, k, v, packed, do], {})
+    buf = torch.full_like(grads, float("nan"))
+    assert bwd.fn([q, k, v, packed, do], {}, buf) is buf and torch.equal(buf, grads)
+
+
+def test_verify_checks_the_result_shapes():
+    from spmd.ir.text import parse_module
+    from spmd.ir.verify import VerifyError, verify_module
+
+    text = """HloModule m
+
+ENTRY %main (q: bf16[2,5,4], k: bf16[2,7,4], v: bf16[2,7,6], dout: bf16[2,5,6]) -> bf16[2,1,{w}] {{
+  %q = bf16[2,5,4] parameter(0)
+  %k = bf16[2,7,4] parameter(1)
+  %v = bf16[2,7,6] parameter(2)
+  %dout = bf16[2,5,6] parameter(3)
+  %fwd = bf16[2,5,{c}] custom-call(%q, %k, %v), custom_call_target="attention-forward"
+  ROOT %bwd = bf16[2,1,{w}] custom-call(%q, %k, %v, %fwd, %dout), custom_call_target="attention-backward"
+}}
+"""
+    verify_module(parse_module(text.format(c=8, w=5 * 4 + 7 * 4 + 7 * 6)))  # 6 + 2 bf16 columns of log-sum-exp
+    with pytest.raises(VerifyError, match="attention-forward: result must be bf16"):
+        verify_module(parse_module(text.format(c=7, w=90)))
+    with pytest.raises(VerifyError, match="attention-backward: result must be bf16"):
+        verify_module(parse_module(text.format(c=8, w=91)))
