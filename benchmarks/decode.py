@@ -247,6 +247,8 @@ def main(argv=None) -> int:
     records = []
     for batch in args.batch:
         records += bench_batch(args, batch, device, log)
+        for row in table_rows([r for r in records if r["batch"] == batch]):  # kept if a later batch is cut short
+            log(" | ".join(row))
     shape = "small (hidden 64, 2 layers, float32)" if args.small else f"Llama-2-7B, {args.layers} layers, bf16"
     title = (f"decode: {shape}, prompt {args.prompt_len}, {args.new_tokens} new tokens, one "
              f"{'GPU' if args.device == 'cuda' else 'CPU'}, greedy, medians of {args.rounds} interleaved rounds "

@@ -11,6 +11,7 @@
 #                    one_gpu_results.json, small_allreduce_results.json, benchmarks.md (docs/benchmarks.md
 #                    with the new row sets)
 #   BUDGET_S=560     wall-clock seconds for all selected stages together (one device call is <= 600 s)
+#   STAGE_WEIGHTS=.. shares of BUDGET_S per stage, e.g. "decode=6,tests=2" (defaults in WEIGHT below)
 #   TP=N             GPUs to use (default: all visible)
 #   CM_ARGS=...      extra options for benchmarks/collective_matmul.py (e.g. "--shapes 4096,4096,4096")
 #   DISPATCH_ARGS=.. extra options for benchmarks/dispatch.py
@@ -54,6 +55,9 @@ for s in "${stages[@]}"; do
 done
 
 declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2)
+# STAGE_WEIGHTS="decode=6,tests=2" overrides the shares of the time budget above.
+IFS=',' read -ra _weights <<< "${STAGE_WEIGHTS:-}"
+for kv in "${_weights[@]}"; do [ -n "$kv" ] && WEIGHT[${kv%%=*}]=${kv#*=}; done
 declare -A RESULT=()
 START=$SECONDS
 

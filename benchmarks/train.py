@@ -11,8 +11,11 @@ one-device mesh (params and optimizer state donated; attention forward and backw
 kernels, or as dots and a softmax in the ``spmd-math`` variant). Variants are timed in interleaved rounds
 (round r runs every variant once, ``--steps`` timed steps each, after warm-up), so drift of the
 machine hits all of them alike; the median step time over rounds is reported, with peak device
-memory (CUDA ``max_memory_allocated`` over the timed steps, reset per variant). The result is
-printed as a markdown table and, with ``--doc``, appended to that file as a dated row set.
+memory (CUDA ``max_memory_allocated`` over the timed steps, reset per variant) and, for the spmd
+variants, the peak the compiler plans for the step (``TrainStep.memory_analysis()``: arguments,
+arena, heap temporaries and outputs live at once; ``spmd.runtime.memory``). ``spmd-remat`` is the
+spmd step with activation recomputation (``CompileOptions(remat=--remat)``, default "full"). The
+result is printed as a markdown table and, with ``--doc``, appended to that file as a dated row set.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("eager", "compile", "spmd", "spmd-math")
-DEFAULT_VARIANTS = ("eager", "compile", "spmd")  # spmd-math: attention's math backward, on request
+VARIANTS = ("eager", "compile", "spmd", "spmd-math", "spmd-remat")
+DEFAULT_VARIANTS = ("eager", "compile", "spmd")  # spmd-math, spmd-remat: on request
 
 
 def build_model(args):
@@ -64,18 +67,21 @@ def _torch_step(model, x, y, compiled: bool) -> Callable[[], None]:
     return step
 
 
-def _spmd_step(model, x, y, device: str, fused_attention: bool = True) -> Callable[[], None]:
+def _spmd_step(model, x, y, device: str, fused_attention: bool = True,
+               remat: str = "none") -> Callable[[], None]:
+    """The spmd step as a closure; its ``planned_peak_gib()`` is the compiled step's planned peak (GiB)."""
     from spmd import CompileOptions, Mesh
     from spmd.train import AdamW, make_train_step
 
     mesh = Mesh.create(("dp",), devices=f"{device}:1")
     ts = make_train_step(model, mesh, None, lambda apply, b: F.mse_loss(apply(b["x"]), b["y"]),
                          optimizer=AdamW(lr=1e-4, weight_decay=0.1),
-                         options=CompileOptions(fused_attention_grad=fused_attention))
+                         options=CompileOptions(fused_attention_grad=fused_attention, remat=remat))
     batch = {"x": ts.place_batch({"x": x})["x"], "y": ts.place_batch({"y": y})["y"]}
 
     def step():
-        ts.step(batch)
+        ts.step(batch, fetch=False)  # like the torch loops: no host read of the loss per step
+    step.planned_peak_gib = lambda: ts.memory_analysis().peak_size_bytes / 2**30
     return step
 
 
@@ -91,7 +97,8 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
         model, x, y = build_model(args)
         t0 = time.perf_counter()
         if v.startswith("spmd"):
-            steps[v] = _spmd_step(model, x, y, args.device, fused_attention=v == "spmd")
+            steps[v] = _spmd_step(model, x, y, args.device, fused_attention=v != "spmd-math",
+                                  remat=args.remat if v == "spmd-remat" else "none")
         else:
             steps[v] = _torch_step(model, x, y, v == "compile")
         for _ in range(args.warmup):
@@ -118,7 +125,8 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
 
         for v, step in steps.items():
             print_kernels(f"train {v}", step, calls=2, top=args.profile)
-    return {v: {"ms": statistics.median(times[v]), "peak_gib": peak[v]} for v in steps}
+    planned = {v: getattr(step, "planned_peak_gib", lambda: float("nan"))() for v, step in steps.items()}
+    return {v: {"ms": statistics.median(times[v]), "peak_gib": peak[v], "planned_gib": planned[v]} for v in steps}
 
 
 def markdown(results: dict[str, dict[str, float]], args) -> str:
@@ -127,15 +135,19 @@ def markdown(results: dict[str, dict[str, float]], args) -> str:
     dtype = str(args.dtype).removeprefix("torch.")
     head = (f"### Training step, {args.model} x{args.layers} layers, batch {args.batch} x {args.seq}, {dtype}, "
             f"AdamW ({datetime.date.today()}, {dev}, torch {torch.__version__})")
-    rows = ["| variant | ms / step | × eager | × torch.compile | peak GiB |", "|---|---:|---:|---:|---:|"]
+    rows = ["| variant | ms / step | × eager | × torch.compile | peak GiB | planned peak GiB |",
+            "|---|---:|---:|---:|---:|---:|"]
     base = results.get("eager", {}).get("ms")
     comp = results.get("compile", {}).get("ms")
     for v, r in results.items():
         ratio = lambda ref, ms=r["ms"]: f"{ms / ref:.2f}" if ref else "n/a"
-        peak = "n/a" if r["peak_gib"] != r["peak_gib"] else f"{r['peak_gib']:.2f}"
-        rows.append(f"| {v} | {r['ms']:.2f} | {ratio(base)} | {ratio(comp)} | {peak} |")
+        gib = lambda x: "n/a" if x != x else f"{x:.2f}"
+        planned = r.get("planned_gib", float("nan"))
+        rows.append(f"| {v} | {r['ms']:.2f} | {ratio(base)} | {ratio(comp)} | {gib(r['peak_gib'])} | {gib(planned)} |")
     note = (f"Median of {args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up steps; "
-            "spmd: `make_train_step` on a one-device mesh (joint forward+backward import, donated state).")
+            "spmd: `make_train_step` on a one-device mesh (joint forward+backward import, donated state); "
+            "peak GiB: `torch.cuda.max_memory_allocated`; planned peak: `TrainStep.memory_analysis()`"
+            + (f"; spmd-remat: remat={args.remat!r}" if "spmd-remat" in results else "") + ".")
     return "\n".join([head, "", *rows, "", note, ""])
 
 
@@ -149,9 +161,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="default bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a dry run)")
-    ap.add_argument("--variants", default=None, help="comma-separated from eager,compile,spmd,spmd-math "
-                    "(spmd-math: attention's backward as dots and softmax; default: eager,compile,spmd on cuda, "
-                    "eager,spmd on cpu)")
+    ap.add_argument("--variants", default=None, help="comma-separated from eager,compile,spmd,spmd-math,"
+                    "spmd-remat (spmd-math: attention's backward as dots and softmax; spmd-remat: with "
+                    "--remat; default: eager,compile,spmd on cuda, eager,spmd on cpu)")
+    ap.add_argument("--remat", choices=("selective", "full"), default="full",
+                    help="activation recomputation of the spmd-remat variant (default full)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=3)

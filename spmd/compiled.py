@@ -101,6 +101,7 @@ class Compiled:
         self._out_leaf = lowered.out_tree.is_leaf()
         self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
         self._run_for, self._run = None, None  # see _execute
+        self._memory = None  # memory_analysis(), computed on first request
         # A program that draws random numbers takes a fresh key as its last input (spmd.ir.random).
         self._rng_key_sharding = (NamedSharding(self.mesh, PartitionSpec())
                                   if getattr(lowered.program, "rng_key_parameter", None) is not None else None)
@@ -323,6 +324,19 @@ class Compiled:
             _DONATIONS.inc()
 
     # ------------------------------------------------------------ inspection
+    def memory_analysis(self):
+        """Per-device memory of this executable: a ``spmd.runtime.memory.MemoryAnalysis``.
+
+        Argument, output, alias (outputs written into donated buffers), arena (the buffer
+        assignment's temporaries), heap temporaries and the peak bytes live at once during a call,
+        per device (JAX's ``compiled.memory_analysis()``). Computed once per compilation.
+        """
+        if self._memory is None:
+            from spmd.runtime.memory import memory_analysis
+
+            self._memory = memory_analysis(self)
+        return self._memory
+
     def collectives(self) -> list[dict]:
         """Collectives of the final program: opcode, per-device bytes moved, replica group size and
         algorithm ("one-shot" for an all-reduce ``spmd.passes.select_all_reduce`` marked, else "ring")."""

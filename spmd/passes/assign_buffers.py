@@ -27,8 +27,15 @@ of the view is a read of the underlying values at the reader's position and stre
 they stay live, across streams too, until the view's last reader.
 
 A dynamic-update-slice reuses the bytes of its operand 0 (in place) when it is
-that value's only reader (a read through a view counts as a reader). Groups that
-contain an output are left to the runtime.
+that value's only reader (a read through a view counts as a reader). An ``add``
+reuses the bytes of an arena operand of its shape whose every other access happens
+before it (XLA's elementwise buffer sharing): a residual sum accumulates in one buffer,
+and the runtime's addmm of a dot and that residual runs in place (cuBLAS accumulates
+into C) instead of copying C first. Groups that contain an output are left to the
+runtime, and so are the results the runtime's kernels allocate themselves
+(``HEAP_OPCODES``: collectives, whose communicators return new tensors; fusions and
+custom calls, PyTorch functions without an ``out=`` form; ``spmd.runtime.lower`` never
+gives them an arena view): placing them would reserve arena bytes nobody writes.
 Placement is best-fit over the conflicting groups, largest first (in the spirit of
 tinygrad's memory planner). Keys are the names of the writing instructions: for an
 async-start, the instructions of its called computation; for a collective start,
@@ -49,6 +56,9 @@ ALIGN_BYTES = 256
 _ALIASES = frozenset({"tuple", "get-tuple-element", "all-gather-done", "collective-permute-done",
                       "all-reduce-done", "async-done"})
 _PAIR_STARTS = frozenset({"collective-permute-start", "all-gather-start"})
+# Results the runtime allocates outside the arena (see the module docstring).
+HEAP_OPCODES = frozenset({"fusion", "custom-call", "all-gather", "all-gather-start", "all-reduce", "all-reduce-start",
+                          "reduce-scatter", "all-to-all", "collective-permute", "collective-permute-start"})
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,8 @@ class _Liveness:
         self.producer: dict[str, int] = {}        # value name -> position of its writer
         self.vc: list[dict[int, int]] = []        # per position: clock before the op runs
         self.inplace: list[tuple[str, Instruction]] = []  # (operand value, DUS writer)
+        self.accumulate: list[tuple[str, Instruction]] = []  # (operand value, add of its shape)
+        self.heap: set[str] = set()  # values the runtime allocates outside the arena (HEAP_OPCODES)
         self.folded = folded_instructions(self.comp)  # computed on the host by the lowering: no bytes, no op
         names = view_instructions(module)
         self.views = {id(i) for i in self.comp.instructions if i.name in names}
@@ -161,13 +173,21 @@ class _Liveness:
         if op == "async-start":
             self._async_body(inst, at)
         elif op in _PAIR_STARTS:
-            self._new(inst.name, inst.shape.tuple_shapes[1].size_bytes, at)
+            self._new(inst.name, inst.shape.tuple_shapes[1].size_bytes, at, op)
             self.src[id(inst)] = [inst.name]
         elif not inst.shape.is_tuple:
-            self._new(inst.name, inst.shape.size_bytes, at)
+            self._new(inst.name, inst.shape.size_bytes, at, op)
             self.src[id(inst)] = [inst.name]
             if op == "dynamic-update-slice" and len(self.src[id(inst.operands[0])]) == 1:
                 self.inplace.append((self.src[id(inst.operands[0])][0], inst))
+            elif op == "add":
+                # a single-use dot operand runs inside the runtime's addmm: the other operand is C
+                fused = [o for o in inst.operands if o.opcode == "dot" and len(users[o]) == 1]
+                gemm_reads = {n for d in fused for x in d.operands for n in self.src[id(x)]}  # A and B
+                self.accumulate += [(self.src[id(o)][0], inst) for o in inst.operands
+                                    if len(self.src[id(o)]) == 1 and o.shape == inst.shape and o not in fused
+                                    and id(o) not in self.views  # read in place, not through a transpose
+                                    and self.src[id(o)][0] not in gemm_reads]
         else:
             self.src[id(inst)] = []
         return reads
@@ -197,7 +217,7 @@ class _Liveness:
             if b.shape.is_tuple or b.opcode in _ALIASES:
                 local[id(b)] = [n for o in b.operands for n in local.get(id(o), [])]
                 continue
-            self._new(b.name, b.shape.size_bytes, at)
+            self._new(b.name, b.shape.size_bytes, at, b.opcode)
             local[id(b)] = [b.name]
             if b.opcode == "dynamic-update-slice" and len(local.get(id(b.operands[0]), [])) == 1:
                 self.inplace.append((local[id(b.operands[0])][0], b))
@@ -211,9 +231,11 @@ class _Liveness:
             return self.src[id(o.operands[inst.attrs["index"]])]
         return self.src[id(o)]
 
-    def _new(self, name: str, size: int, at: tuple[int, int]) -> None:
+    def _new(self, name: str, size: int, at: tuple[int, int], opcode: str = "") -> None:
         self.values[name] = _Value(name, size, at, [at])
         self.producer[name] = at[0]
+        if opcode in HEAP_OPCODES:
+            self.heap.add(name)
 
     def _read(self, name: str, at: tuple[int, int], reader: Instruction) -> None:
         v = self.values[name]
@@ -241,10 +263,17 @@ def _groups(live: _Liveness, outputs: set[str]) -> list[list[_Value]]:
         v, w = live.values[operand], live.values[dus.name]
         if len(v.readers) == 1 and v.readers[0] is dus and v.size == w.size:
             parent[find(dus.name)] = find(operand)
+    for operand, add in live.accumulate:
+        v, w = live.values[operand], live.values[add.name]
+        if add.name in outputs or operand in outputs or operand in live.heap or find(add.name) != add.name \
+                or v.size != w.size:
+            continue
+        if all(a == w.write or live.happens_before(a, w.write) for a in v.accesses):
+            parent[find(add.name)] = find(operand)
     groups: dict[str, list[_Value]] = {}
     for n, v in live.values.items():
         groups.setdefault(find(n), []).append(v)
-    return [g for g in groups.values() if not any(v.name in outputs for v in g)]
+    return [g for g in groups.values() if not any(v.name in outputs or v.name in live.heap for v in g)]
 
 
 def _before(live: _Liveness, first: list[_Value], second: list[_Value]) -> bool:

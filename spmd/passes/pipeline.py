@@ -2,9 +2,10 @@
 
 Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
-    import → propagate-sharding → spmd-partition → simplify → cse → windowed-einsum
-           → merge-dots → fuse-attention → hoist-weights → split-batch → fuse-elementwise
-           → select-all-reduce → assign-streams → schedule
+    import → propagate-sharding → spmd-partition → simplify → cse → reduce-scatter-creator
+           → all-reduce-reuse → sink-scale → windowed-einsum → merge-dots → fuse-attention → hoist-weights
+           → split-batch → combine-collectives → fuse-elementwise → rematerialize → select-all-reduce
+           → assign-streams → async-collectives → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
 (values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
@@ -29,13 +30,15 @@ from spmd import metrics
 from spmd.ir.hlo import Module
 from spmd.ir.text import print_module
 from spmd.ir.verify import verify_module
+from spmd.passes.combine_collectives import DEFAULT_BUCKET_SIZE_BYTES, check_bucket_size_bytes
 
 # Weight of an all-gather feeding a dot when a windowed einsum may overlap it with the dot.
 HIDDEN_GATHER_DISCOUNT = 0.1
 
-STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "windowed-einsum", "merge-dots",
-          "fuse-attention", "hoist-weights", "split-batch", "fuse-elementwise", "select-all-reduce",
-          "assign-streams", "schedule")
+STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "reduce-scatter-creator",
+          "all-reduce-reuse", "sink-scale", "windowed-einsum", "merge-dots", "fuse-attention", "hoist-weights",
+          "split-batch", "combine-collectives", "fuse-elementwise", "rematerialize", "select-all-reduce",
+          "assign-streams", "async-collectives", "schedule")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,19 @@ class CompileOptions:
       split_batch_overlap: "auto" (the cost model decides), "on" or "off": run a row-separable
         tensor-parallel program as two interleaved batch halves so that one half's all-reduces run
         under the other half's GEMMs (``spmd.passes.split_batch``).
+      remat: activation recomputation (``spmd.passes.rematerialize``): "none" (default), "selective"
+        (recompute everything but matrix products, convolutions, gathers and communication at far
+        uses: PyTorch's selective activation checkpointing) or "full" (dots too: activation
+        checkpointing); recomputed values equal the kept ones, random values included.
+      remat_max_copies: how many times remat may recompute one instruction (1: at most one extra
+        forward, the cost of activation checkpointing; more copies lower the peak further for more
+        compute).
+      bucket_size_bytes: combine small independent all-reduces / reduce-scatters of one kind into
+        one collective per bucket of at most this many bytes per device (``spmd.passes.
+        combine_collectives``; like DDP's gradient buckets); 0 disables.
+      async_collectives: run an all-gather / all-reduce / reduce-scatter that has a GEMM it does
+        not depend on as an async start / done pair on the communication stream, so the schedule
+        pass overlaps them (``spmd.passes.async_collectives``).
       small_all_reduce: "auto" (the cost model decides per program), "on" or "off": run all-reduces
         of at most ``small_all_reduce_max_bytes`` per device as a one-shot reduction (every device
         copies the group's operands into fixed staging buffers and reduces them locally) instead
@@ -77,13 +93,14 @@ class CompileOptions:
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
-      ValueError: for an unknown ``windowed_einsum``, ``split_batch_overlap`` or ``small_all_reduce``
-        mode, a negative ``small_all_reduce_max_bytes``, a
+      ValueError: for an unknown ``windowed_einsum``, ``split_batch_overlap``, ``remat`` or
+        ``small_all_reduce`` mode, a negative ``small_all_reduce_max_bytes``, a
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
-        ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise`` or ``hoist_weights`` not a bool
-        (or None where allowed); ``num_compute_streams`` or ``small_all_reduce_max_bytes`` not an int;
-        ``dump_dir`` not a path.
+        ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise``, ``hoist_weights`` or
+        ``async_collectives`` not a bool (or None where allowed); ``num_compute_streams``,
+        ``bucket_size_bytes`` or ``small_all_reduce_max_bytes`` not an int; ``dump_dir`` not a path.
+        ValueError: a negative ``bucket_size_bytes``.
     """
 
     windowed_einsum: str = "auto"
@@ -96,6 +113,10 @@ class CompileOptions:
     fuse_elementwise: bool = True
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
+    remat: str = "none"
+    remat_max_copies: int = 1
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    async_collectives: bool = True
     small_all_reduce: str = "auto"
     small_all_reduce_max_bytes: int = 512 * 1024
     dump_dir: str | None = None
@@ -104,6 +125,11 @@ class CompileOptions:
     def __post_init__(self) -> None:
         if self.windowed_einsum not in ("auto", "on", "off"):
             raise ValueError(f"windowed_einsum must be 'auto', 'on' or 'off', got {self.windowed_einsum!r}")
+        if self.remat not in ("none", "selective", "full"):
+            raise ValueError(f"remat must be 'none', 'selective' or 'full', got {self.remat!r}")
+        c = self.remat_max_copies
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise ValueError(f"remat_max_copies must be an int >= 1, got {c!r}")
         if self.split_batch_overlap not in ("auto", "on", "off"):
             raise ValueError(f"split_batch_overlap must be 'auto', 'on' or 'off', got {self.split_batch_overlap!r}")
         if self.small_all_reduce not in ("auto", "on", "off"):
@@ -117,10 +143,12 @@ class CompileOptions:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
-        for name in ("merge_dots", "fuse_attention", "fused_attention_grad", "fuse_elementwise", "hoist_weights"):
+        for name in ("merge_dots", "fuse_attention", "fused_attention_grad", "fuse_elementwise", "hoist_weights",
+                     "async_collectives"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")
+        check_bucket_size_bytes(self.bucket_size_bytes)
         n = self.num_compute_streams
         if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
             raise TypeError(f"num_compute_streams must be an int >= 1 or None, got {n!r}")
@@ -186,16 +214,22 @@ class PipelineResult:
 
 def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> list:
     """The pass objects for ``options``, in run order (``process_ids``: the mesh's, for select-all-reduce)."""
+    from spmd.passes.all_reduce_reuse import AllReduceReuse
     from spmd.passes.assign_streams import AssignStreams
+    from spmd.passes.async_collectives import AsyncCollectives
+    from spmd.passes.combine_collectives import CombineCollectives
     from spmd.passes.cse import CSE
     from spmd.passes.fuse_attention import FuseAttention
     from spmd.passes.fuse_elementwise import FuseElementwise
     from spmd.passes.hoist_weights import HoistWeights
     from spmd.passes.merge_dots import MergeDots
     from spmd.passes.propagate_sharding import PropagateSharding
+    from spmd.passes.reduce_scatter_creator import ReduceScatterCreator
+    from spmd.passes.rematerialize import Rematerialize
     from spmd.passes.schedule import Schedule
     from spmd.passes.select_all_reduce import SelectAllReduce
     from spmd.passes.simplify import Simplify
+    from spmd.passes.sink_scale import SinkScale
     from spmd.passes.split_batch import SplitBatch
     from spmd.passes.spmd_partition import SpmdPartition
     from spmd.passes.windowed_einsum import WindowedEinsum
@@ -211,15 +245,21 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
         SpmdPartition(dot_gather_discount=discount),
         Simplify(),
         CSE(),
+        ReduceScatterCreator(),
+        AllReduceReuse(),
+        SinkScale(enabled=options.windowed_einsum != "off"),
         WindowedEinsum(**we_kwargs),
         MergeDots(enabled=options.merge_dots),
         FuseAttention(enabled=options.fuse_attention),
         HoistWeights(enabled=options.hoist_weights),
         SplitBatch(mode=options.split_batch_overlap),
+        CombineCollectives(bucket_size_bytes=options.bucket_size_bytes),
         FuseElementwise(enabled=options.fuse_elementwise),
+        Rematerialize(mode=options.remat, max_copies=options.remat_max_copies),
         SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
                         process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),
+        AsyncCollectives(enabled=options.async_collectives),
         Schedule(),
     ]
 

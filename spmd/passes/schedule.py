@@ -11,6 +11,10 @@ Three classes of instructions:
   before that instruction; dones nothing needs go to the end;
 - everything else keeps its original relative order (stable).
 
+An all-gather-start of ``spmd.passes.async_collectives`` (``backend_config={"prefetch_dots": k}``)
+then moves down to k GEMMs before its done (``bound_prefetch``): a prefetch, not a gather of
+every FSDP parameter at the start of the step.
+
 So the first transfer of a windowed einsum ring is issued before the first dot,
 and every wait sits just before its first consumer. This is the idea of XLA's
 latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc) reduced to a
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spmd.ir.hlo import ASYNC_DONE_OPCODES, ASYNC_START_OPCODES, Instruction, Module
+from spmd.passes.async_collectives import bound_prefetch
 
 _COMM_STARTS = frozenset({"collective-permute-start", "all-gather-start", "all-reduce-start"})
 
@@ -48,7 +53,7 @@ class Schedule:
 
     def run(self, module: Module) -> Module:
         comp = module.entry
-        comp.instructions = schedule_instructions(comp.instructions)
+        comp.instructions = bound_prefetch(schedule_instructions(comp.instructions))
         return module
 
 

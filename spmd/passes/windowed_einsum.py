@@ -35,7 +35,10 @@ dot runs, so a partial dot that adds a received accumulator is marked
 the runtime accumulates with one addmm), and the halves of the result are written
 into one buffer by dynamic-update-slices instead of a concatenate.
 
-One all-gather feeding several dots (Q, K, V projections) shares one ring. Any group
+One all-gather feeding several dots (Q, K, V projections) shares one ring. An all-gather read
+by a dot through a reshape that merges the gathered dim (``[B, S, H] -> [B*S, H]``) is handled
+by ``spmd.passes.windowed_einsum_reshape``, as is a dot whose result is split by a reshape
+(``[B*S, H] -> [B, S, H]``) before the reduce-scatter. Any group
 size P >= 2, any chunk size (bidirectional needs chunks of >= 2 rows), 2-d meshes
 (replica groups such as {{0,2},{1,3}}: a constant table maps partition-id to ``r``).
 A site whose dot, collective or any operand has no elements (an empty M, N or K) is
@@ -95,8 +98,12 @@ class WindowedEinsum:
             if inst not in users:  # removed by an earlier rewrite
                 continue
             site = _match_ag(inst, users, comp, n) if inst.opcode == "all-gather" else None
+            if site is None and inst.opcode == "all-gather":  # through a merging reshape (B*S, B*heads)
+                from spmd.passes.windowed_einsum_reshape import match_ag_reshape
+                site = match_ag_reshape(inst, users, comp, n)
             if site is None and inst.opcode == "reduce-scatter":
-                site = _match_rs(inst, users, comp, n)
+                from spmd.passes.windowed_einsum_reshape import match_rs_reshape
+                site = _match_rs(inst, users, comp, n) or match_rs_reshape(inst, users, comp, n)
             choice = None if site is None else self._choose(site)
             if choice is None:
                 continue

@@ -25,7 +25,10 @@ def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[
     A donated buffer receives an output only when the output's per-device shape equals the
     parameter's exactly (dims and dtype; both row-major), whether or not the program reads the
     parameter; otherwise it is simply not reused (donation is a permission, as in XLA's
-    ``donate_argnums``: it never changes a result).
+    ``donate_argnums``: it never changes a result). Among the donated parameters of that shape,
+    the ones the producing op reads come first (an optimizer update ``p' = f(p, g)`` goes into
+    ``p``'s buffer): a greedy match by parameter number alone could give an output the buffer of
+    a parameter the program still reads later and leave later outputs without one.
 
     Args:
       ops: the lowering's ``Op`` list (after fusion).
@@ -42,7 +45,8 @@ def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[
         p = producer.get(slot)
         if p is None or p in plan or "spec" in ops[p].extra or ops[p].inst.shape.is_tuple:
             continue
-        for i in sorted(donated - used):
+        reads = set(ops[p].ins)  # the parameter an update reads first (an in-place update), then in order
+        for i in sorted(donated - used, key=lambda i: (param_slots[i] not in reads, i)):
             if param_shapes[i] != ops[p].inst.shape:
                 continue
             aliases = _aliases(ops, param_slots[i])

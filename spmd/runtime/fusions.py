@@ -339,10 +339,18 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
         c, a, b = ops
         if rhs_transposed:
             b = b.transpose(-1, -2)
+        # C in the output's own bytes (buffer assignment shares them): accumulate in place
+        in_place = out is not None and c.data_ptr() == out.data_ptr() and c.stride() == out.stride() \
+            and c.shape == out.shape
         if batched:
+            if in_place:
+                return out.baddbmm_(a, b)
             return mm(c, a, b) if out is None else mm(c, a, b, out=out)
         dims = (*a.shape[:-1], b.shape[-1])
         a, c = a.reshape(-1, a.shape[-1]), c.reshape(-1, c.shape[-1])
+        if in_place:
+            out.view(-1, out.shape[-1]).addmm_(a, b)
+            return out
         if c.stride(0) == 0:
             c = c[0]
         if out is None:

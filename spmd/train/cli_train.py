@@ -44,6 +44,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 3e-3 gpt, 2e-5 minilm)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
     p.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over dp (ZeRO-3)")
+    p.add_argument("--remat", choices=("none", "selective", "full"), default="none",
+                   help="activation recomputation (spmd.passes.rematerialize): selective recomputes all but "
+                   "matmuls, full recomputes matmuls too (default none)")
     p.add_argument("--ckpt-dir", metavar="DIR", help="write step-N.safetensors checkpoints here")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", metavar="FILE", help="continue from a checkpoint")
@@ -110,6 +113,7 @@ def _minilm_job(args, mesh, axes):
 
 def cmd_train(args, console: Console) -> int:
     """Run the training job described by ``args``; returns the exit status (0)."""
+    from spmd.passes.pipeline import CompileOptions
     from spmd.train import AdamW, make_train_step
 
     _check(args)
@@ -118,7 +122,8 @@ def cmd_train(args, console: Console) -> int:
     lr = args.lr if args.lr is not None else (3e-3 if args.task == "gpt" else 2e-5)
     ts = make_train_step(model, mesh, plan, loss_fn, optimizer=AdamW(lr=lr, weight_decay=0.1 if args.task == "gpt"
                                                                       else 0.01),
-                         fsdp=args.fsdp and axes.get("dp", 1) > 1, clip_grad_norm=1.0)
+                         fsdp=args.fsdp and axes.get("dp", 1) > 1, clip_grad_norm=1.0,
+                         options=CompileOptions(remat=args.remat))
     start = 0
     if args.resume:
         ts.load(args.resume)
@@ -126,6 +131,7 @@ def cmd_train(args, console: Console) -> int:
     console.print(f"{what}, batch {args.batch} x {args.seq}, steps {start}..{args.steps}")
     losses, times = _loop(ts, args, batch_of, start, console)
     _report(console, losses, times, args)
+    console.print(f"memory (remat={args.remat}): {ts.memory_analysis().summary()}")
     return 0
 
 

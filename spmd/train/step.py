@@ -77,7 +77,8 @@ class TrainStep:
     Attributes:
       params: {FQN: ShardedArray}; opt_state: {"step": ShardedArray, slot: {FQN: ShardedArray}}.
       param_specs: {FQN: PartitionSpec}; state_specs: the optimizer state's specs.
-      lowered: the ``Lowered`` of the latest batch signature (None before the first step).
+      lowered / compiled: the ``Lowered`` / ``Compiled`` of the latest batch signature (None before the
+        first step); ``memory_analysis()`` reports the compiled step's per-device memory.
     """
 
     def __init__(self, module, mesh, plan, fn, param_specs, params, optimizer, batch_axis, options):
@@ -96,6 +97,7 @@ class TrainStep:
                            options=options)
         self._compiled: dict[tuple, object] = {}
         self.lowered = None
+        self.compiled = None
 
     def place_batch(self, batch):
         """``batch`` (a pytree of tensors) on the mesh: dim 0 split over the data axis (if any)."""
@@ -108,14 +110,27 @@ class TrainStep:
             return device_put(x, NamedSharding(self.mesh, spec))
         return torch.utils._pytree.tree_map(put, batch)
 
-    def step(self, batch) -> dict[str, torch.Tensor]:
-        """One training step on ``batch``; returns the metrics as CPU tensors.
+    def step(self, batch, *, fetch: bool = True) -> dict:
+        """One training step on ``batch``; returns the metrics ({"loss": float32 [], ...}).
 
+        fetch: True copies the metrics to the host as CPU tensors, which waits for the step;
+          False returns them as ``ShardedArray``s without waiting, so the host enqueues the next
+          step while this one runs (log every k steps with ``v.to_torch()``).
         The previous params and state are donated to the step; on an error raised before the
         step runs (bad batch, tracing error) they are left as they were.
+        Raises TypeError for a non-bool ``fetch``.
         """
+        if not isinstance(fetch, bool):
+            raise TypeError(f"fetch: expected a bool, got {type(fetch).__name__}")
         self._check_state()
         placed = self.place_batch(batch)
+        compiled = self._compile(placed)
+        params, state, metrics = compiled(self.params, self.opt_state, placed)
+        self.params, self.opt_state = params, state
+        return {k: v.to_torch() for k, v in metrics.items()} if fetch else dict(metrics)
+
+    def _compile(self, placed):
+        """The compiled step for the signature of ``placed`` (compiled on first use, then cached)."""
         leaves, tree = torch.utils._pytree.tree_flatten(placed)
         key = (tree, tuple((tuple(x.shape), x.dtype, x.sharding) for x in leaves))
         compiled = self._compiled.get(key)
@@ -123,9 +138,23 @@ class TrainStep:
             with _activation_hooks(self.module, self.plan) if self.plan is not None else _null():
                 self.lowered = self._jitted.lower(self.params, self.opt_state, placed)
             compiled = self._compiled[key] = self.lowered.compile()
-        params, state, metrics = compiled(self.params, self.opt_state, placed)
-        self.params, self.opt_state = params, state
-        return {k: v.to_torch() for k, v in metrics.items()}
+        self.compiled = compiled
+        return compiled
+
+    def memory_analysis(self, batch=None):
+        """Per-device memory of the compiled step: a ``spmd.runtime.memory.MemoryAnalysis``.
+
+        ``batch``: compile (without running) the step for this batch's signature; None: the step
+        compiled last. Params, optimizer state and batch count as arguments; the new params and
+        state are outputs written into the donated buffers (alias bytes).
+        Raises ValueError when ``batch`` is None and no step has been compiled yet.
+        """
+        if batch is not None:
+            self._check_state()
+            return self._compile(self.place_batch(batch)).memory_analysis()
+        if self.compiled is None:
+            raise ValueError("batch: no step has been compiled yet; pass a batch to compile one")
+        return self.compiled.memory_analysis()
 
     def _check_state(self) -> None:
         """ValueError unless every parameter and optimizer buffer is a live ShardedArray laid out as planned."""
@@ -262,7 +291,8 @@ def make_train_step(
       clip_grad_norm: clip gradients to this global 2-norm (``torch.nn.utils.clip_grad_norm_``).
       compute_dtype: mixed precision: run forward and backward in this floating dtype (e.g.
         ``torch.bfloat16``) with the parameters and optimizer state kept in their own dtype.
-      options: ``CompileOptions``.
+      options: ``CompileOptions`` (``remat="selective"`` / ``"full"``: activation recomputation,
+        ``spmd.passes.rematerialize``; ``TrainStep.memory_analysis()`` reports the peak).
     Returns:
       A ``TrainStep``; its first ``step(batch)`` compiles.
     Raises:

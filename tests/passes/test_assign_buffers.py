@@ -35,6 +35,7 @@ class Oracle:
         self.reads: dict[str, list[int]] = {}
         self.readers: dict[str, list[str]] = {}
         self.dus_base: dict[str, str | None] = {}  # dynamic-update-slice -> the value of its operand 0
+        self.add_base: dict[str, set[str]] = {}  # add -> the values of its operands of its shape
         self.src: dict[int, str | None] = {}
         self.node: dict[int, int] = {}  # id(instruction) -> the op whose completion makes it readable
         succ: dict[int, set[int]] = {k: set() for k in range(len(insts))}
@@ -81,6 +82,10 @@ class Oracle:
             self._read(self.src.get(id(o)), k, inst.name)
         if inst.opcode == "dynamic-update-slice":
             self.dus_base[inst.name] = self.src.get(id(inst.operands[0]))
+        if inst.opcode == "add":  # in place over an operand read at the output's index, not a GEMM input
+            gemm = {self.src.get(id(x)) for o in inst.operands if o.opcode == "dot" for x in o.operands}
+            self.add_base[inst.name] = {self.src.get(id(o)) for o in inst.operands
+                                        if o.shape == inst.shape and o.name not in self.views} - gemm
         self.writer[inst.name] = k
         self.src[id(inst)] = inst.name
 
@@ -120,8 +125,14 @@ class Oracle:
                 raise AssertionError(f"%{a} and %{b} share bytes but may be live at once")
 
     def in_place(self, a: str, b: str) -> bool:
-        """``b`` is a dynamic-update-slice updating ``a`` in place, ``a``'s only reader."""
-        return self.dus_base.get(b) == a and self.readers.get(a) == [b]
+        """``b`` is a dynamic-update-slice updating ``a`` in place, ``a``'s only reader; or an add
+        of ``a`` (same shape) that every other access of ``a`` completes before."""
+        if self.dus_base.get(b) == a and self.readers.get(a) == [b]:
+            return True
+        if a in self.add_base.get(b, ()):
+            w = self.writer[b]
+            return all(x == w or w in self.reach[x] for x in [self.writer[a], *self.reads.get(a, [])])
+        return False
 
 
 # --------------------------------------------------------------------------- random programs
@@ -394,3 +405,71 @@ def test_runtime_runs_the_pipeline_with_this_assignment():
                 for j, w_out in enumerate(want):
                     for d, w in enumerate(w_out):
                         assert ((outs[j][d] - w).abs().max() / w.abs().max()) < 1e-5
+
+
+RESIDUAL = HEADER + f"""ENTRY %main (x: f32[64,64], w: f32[64,64]) -> f32[64,64] {{
+  %x = f32[64,64] parameter(0)
+  %w = f32[64,64] parameter(1)
+  %h0 = f32[64,64] negate(%x)
+  %a1 = f32[64,64] tanh(%h0)
+  %d1 = f32[64,64] dot(%a1, %w), {DOT}
+  %h1 = f32[64,64] add(%d1, %h0)
+  %a2 = f32[64,64] tanh(%h1)
+  %d2 = f32[64,64] dot(%a2, %w), {DOT}
+  %h2 = f32[64,64] add(%h1, %d2)
+  ROOT %out = f32[64,64] exponential(%h2)
+}}
+"""
+
+
+def test_a_residual_sum_accumulates_in_one_buffer():
+    """Each residual add is its operand's last access: h0, h1 and h2 share one buffer, so the runtime's
+    addmm of a dot and the residual accumulates in place (no copy of C)."""
+    m = parse_module(RESIDUAL)
+    ba = assign_buffers(m)
+    Oracle(m).check(ba)
+    assert ba.offsets_bytes["h0"] == ba.offsets_bytes["h1"] == ba.offsets_bytes["h2"]
+    from spmd.mesh import Mesh
+    from spmd.runtime.executor import Executable
+
+    ex = Executable(m, Mesh.create(("tp",), devices="cpu:2"), ba)
+    args = [[torch.randn(64, 64) / 8 for _ in range(2)] for _ in range(2)]
+    outs, _ = ex.run(args)
+    for d in range(2):
+        x, w = args[0][d], args[1][d]
+        h0 = -x
+        h1 = torch.tanh(h0) @ w + h0
+        torch.testing.assert_close(outs[0][d], torch.exp(h1 + torch.tanh(h1) @ w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gemm_inputs_of_a_fused_addmm_keep_their_bytes():
+    """``h + h @ w`` runs as addmm(h, h, w): C may be written in place only if it is not also A."""
+    m = parse_module(HEADER + f"""ENTRY %main (x: f32[64,64], w: f32[64,64]) -> f32[64,64] {{
+  %x = f32[64,64] parameter(0)
+  %w = f32[64,64] parameter(1)
+  %h = f32[64,64] negate(%x)
+  %d = f32[64,64] dot(%h, %w), {DOT}
+  %s = f32[64,64] add(%h, %d)
+  ROOT %out = f32[64,64] exponential(%s)
+}}
+""")
+    ba = assign_buffers(m)
+    assert ba.offsets_bytes["h"] != ba.offsets_bytes["s"]
+
+
+def test_an_operand_read_through_a_transpose_keeps_its_bytes():
+    """``t(h) + d``: the add reads h at transposed indices, so writing over h in place would race."""
+    m = parse_module(HEADER + f"""ENTRY %main (x: f32[64,64], w: f32[64,64]) -> f32[64,64] {{
+  %x = f32[64,64] parameter(0)
+  %w = f32[64,64] parameter(1)
+  %h = f32[64,64] negate(%x)
+  %t = f32[64,64] transpose(%h), dimensions={{1,0}}
+  %a = f32[64,64] tanh(%x)
+  %d = f32[64,64] dot(%a, %w), {DOT}
+  %s = f32[64,64] add(%t, %d)
+  ROOT %out = f32[64,64] exponential(%s)
+}}
+""")
+    ba = assign_buffers(m)
+    Oracle(m).check(ba)
+    assert "t" in view_instructions(m) and ba.offsets_bytes["h"] != ba.offsets_bytes["s"]

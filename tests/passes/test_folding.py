@@ -16,7 +16,7 @@ from spmd.ir.hlo import ASYNC_DONE_OPCODES, Instruction, Module, Shape
 from spmd.ir.text import parse_module
 from spmd.mesh import Mesh
 from spmd.passes import folding
-from spmd.passes.assign_buffers import assign_buffers
+from spmd.passes.assign_buffers import HEAP_OPCODES, assign_buffers
 from spmd.passes.folding import FOLD_MAX_NUMEL, NEVER_FOLDED, folded_instructions, is_foldable
 from spmd.passes.views import analyze_views
 from spmd.runtime.executor import Executable
@@ -274,14 +274,14 @@ def _views_see(module: Module) -> tuple[set[str], set[str]]:
 def _buffers_see(module: Module) -> tuple[set[str], set[str]]:
     """(checked names, those assign-buffers gives no bytes as folded values).
 
-    Every value that is no view, no output and not in place over another value gets bytes
-    unless assign-buffers takes it for folded.
+    Every value that is no view, no output, not in place over another value and not allocated by
+    the runtime's kernels (``HEAP_OPCODES``) gets bytes unless assign-buffers takes it for folded.
     """
     ba, views = assign_buffers(module), views_mod.view_instructions(module)
     dus = {n for i in module.entry.instructions if i.opcode == "dynamic-update-slice"
            for n in (i.name, i.operands[0].name)}
     checked = {i.name for i in _values(module) if i.name not in views and i.name not in dus
-               and i.opcode not in ("collective-permute-start", "all-gather-start")}
+               and i.opcode not in HEAP_OPCODES}
     return checked, {n for n in checked if n not in ba.offsets_bytes}
 
 

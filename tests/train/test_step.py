@@ -166,3 +166,21 @@ def test_bf16_mixed_precision_tracks_the_float32_run():
     for got, want in zip(runs[torch.bfloat16], runs[None]):
         assert abs(got - want) <= 0.02 * want, (got, want)
     assert runs[torch.bfloat16] != runs[None]  # it really computed in bf16
+
+
+def test_unfetched_metrics_stay_on_the_mesh_and_equal_the_fetched_ones():
+    """``fetch=False`` returns the metrics as ShardedArrays (no host wait); the run is unchanged."""
+    from spmd import ShardedArray
+
+    batches = _batches(3, 4, 8)
+    opt, _ = _adamw()
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    a = make_train_step(_model(), mesh, None, _loss_fn, optimizer=opt)
+    b = make_train_step(_model(), mesh, None, _loss_fn, optimizer=opt)
+    for batch in batches:
+        fetched = a.step(batch)
+        lazy = b.step(batch, fetch=False)
+        assert isinstance(lazy["loss"], ShardedArray) and not isinstance(fetched["loss"], ShardedArray)
+        assert torch.equal(lazy["loss"].to_torch(), fetched["loss"])
+    with pytest.raises(TypeError, match="fetch: expected a bool"):
+        a.step(batches[0], fetch="no")
