@@ -245,10 +245,11 @@ class Compiled:
             self._check_program()
         ex = self.executable
         if ex is not self._run_for:  # a GraphRunner skips re-checking the buffers of arrays checked here
-            self._run_for = ex
+            # _run before _run_for: another thread that finds _run_for set must find its _run set too
             self._run = ex.run_checked if hasattr(type(ex), "run_checked") else ex.run
             if self.weight_cache is not None:  # a graph captured the cached tensors: refresh them in place
                 self.weight_cache.copy_into = hasattr(type(ex), "run_checked")
+            self._run_for = ex
         cache = self.weight_cache
         if cache is not None:  # the hoisted values of these weights (the prologue runs when they changed)
             hoisted = cache.values(args, buffers, events)

@@ -314,7 +314,14 @@ def _vector_norm(em: Emitter, a: dict, val) -> Instruction:
 
 def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int, ...]]:
     """Biased-or-corrected variance and mean over dims, both with reduced dims removed (in float32
-    for a 16-bit float input, see ``_opmath``; the callers round to the input type)."""
+    for a 16-bit float input, see ``_opmath``; the callers round to the input type).
+
+    Two-pass, the mean taken on data shifted by their maximum, ``m = s + sum(x - s) / n`` (shifting
+    by a data value: Chan, Golub & LeVeque, "Algorithms for computing the sample variance", 1983):
+    a row of equal values has mean exactly that value and variance exactly 0, as eager's Welford
+    kernel gives, even where a sum split over devices would round ``n * c`` (so ``var(x) > 0``
+    cannot flip). The shift is a max (exact in any order), so no partial sum is refined per device.
+    """
     x = _opmath(em, a["self"])
     dims = norm_dims(a.get("dim"), x.shape.rank)
     count = math.prod(x.shape.dims[d] for d in dims)
@@ -323,7 +330,10 @@ def _var_mean(em: Emitter, a: dict) -> tuple[Instruction, Instruction, tuple[int
         correction = 1 if a.get("unbiased", True) else 0
     keep = tuple(i for i in range(x.shape.rank) if i not in dims)
     kept_dims = [x.shape.dims[i] for i in keep]
-    mean = em.binary("divide", em.reduce(x, dims, "add"), em.scalar(count, x.shape.dtype, kept_dims))
+    n = em.scalar(count, x.shape.dtype, kept_dims)
+    shift = em.reduce(x, dims, "maximum")  # a value of the data, the same on every device
+    offset = em.reduce(em.binary("subtract", x, em.broadcast(shift, x.shape.dims, keep)), dims, "add")
+    mean = em.binary("add", shift, em.binary("divide", offset, n))
     centered = em.binary("subtract", x, em.broadcast(mean, x.shape.dims, keep))
     sq = em.reduce(em.binary("multiply", centered, centered), dims, "add")
     var = em.binary("divide", sq, em.scalar(max(count - correction, 0), x.shape.dtype, sq.shape.dims))

@@ -153,11 +153,16 @@ def _topk(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
 
 # --------------------------------------------------------------------------- scans
 def _scan(target: str):
+    """cumsum / cumprod; a 16-bit float one runs in float32 and rounds each result once, as PyTorch's
+    kernels accumulate (``acc_type``), also along a sharded dim (the per-shard totals and offsets
+    stay float32; in the 16-bit type each shard's prefix rounded again: random tester seed 3102 #1031)."""
     def convert(em: Emitter, a: dict, val) -> Instruction:
         x = em.convert(a["self"], out_dtype(val))
         if x.shape.rank == 0:
             return x
-        return em.custom_call(target, [x], x.shape, {"dim": norm_dim(a["dim"], x.shape.rank)})
+        wide = em.convert(x, "f32") if x.shape.dtype in ("f16", "bf16") else x
+        y = em.custom_call(target, [wide], wide.shape, {"dim": norm_dim(a["dim"], x.shape.rank)})
+        return em.convert(y, x.shape.dtype)
     return convert
 
 

@@ -111,3 +111,25 @@ def test_a_bf16_sum_over_a_sharded_dim_rounds_once(devices):
     for fn in (lambda x: x.sum(), lambda x: x.sum(0), lambda x: x.mean(0)):
         got = spmd.jit(fn, mesh=mesh, in_shardings=P("tp"))(x).to_torch()
         assert torch.equal(got, fn(x)), (got.float() - fn(x).float()).abs().max()
+
+
+@pytest.mark.parametrize("devices", ["cpu:8", "cpu:6"])
+def test_variance_of_equal_values_is_exactly_zero_over_a_sharded_dim(devices):
+    """A row of equal values has variance exactly 0 and mean exactly the value, as in eager, when the
+    reduced dim is sharded and the cross-device sum rounds ``n * c`` (``(var > 0)`` flipped to True:
+    random tester seed 2027 #9844)."""
+    n = int(devices.split(":")[1])
+    g = torch.Generator().manual_seed(9844)
+    row = torch.randn(32, 1, 2, generator=g, dtype=torch.float64)
+    x = row.expand(32, 2 * n, 2).contiguous()
+    mesh = Mesh.create(("x",), devices=devices)
+    f = lambda t: (*torch.var_mean(t, dim=1), (t.var(dim=1) > 0).any())  # noqa: E731
+    var, mean, pos = spmd.jit(f, mesh=mesh, in_shardings=(P(None, "x"),), out_shardings=P())(x)
+    assert torch.equal(var.to_torch(), torch.zeros(32, 2, dtype=torch.float64))
+    assert torch.equal(mean.to_torch(), row[:, 0])
+    assert not pos.to_torch()
+    y = torch.randn(32, 2 * n, 2, generator=g, dtype=torch.float64)
+    got = spmd.jit(lambda t: torch.var_mean(t, dim=1, correction=0), mesh=mesh, in_shardings=(P(None, "x"),),
+                   out_shardings=P())(y)
+    for a, b in zip(got, torch.var_mean(y, dim=1, correction=0), strict=True):
+        torch.testing.assert_close(a.to_torch(), b, rtol=1e-13, atol=1e-13)

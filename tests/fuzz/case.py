@@ -162,7 +162,8 @@ def reproducer(case: Case, note: str = "") -> str:
     lines = [f"# spmd random-program reproducer{': ' + note if note else ''}", PRELUDE.strip(), "", "",
              case.source(), "",
              f"mesh = {case.mesh_text()}",
-             f"inputs = [{', '.join(_make_text(i) for i in case.inputs)}]",
+             f"CALLS = {case.calls}",
+             "make_inputs = lambda call: [" + ", ".join(_make_text(i) for i in case.inputs) + "]  # noqa: E731",
              f"modes = {list(case.arg_modes)!r}",
              f"pre_specs = [{', '.join(spec_text(s) for s in case.pre_specs)}]",
              f"in_specs = {in_specs}",
@@ -180,7 +181,7 @@ def reproducer(case: Case, note: str = "") -> str:
 
 def _make_text(i: InputSpec) -> str:
     high = f", high={i.high}" if i.high else ""
-    return f"make_input({i.shape!r}, {DTYPE_NAMES[i.dtype]}, {i.seed}{high})"
+    return f"make_input({i.shape!r}, {DTYPE_NAMES[i.dtype]}, {i.seed} + 1000 * call{high})"
 
 
 STRUCTURE = '''
@@ -215,22 +216,25 @@ def place(t, mode, spec, pre):
     return a.reshard(ns(spec)) if mode == "reshard" else a
 
 
-args = structure([place(t, m, s, p) for t, m, s, p in zip(inputs, modes, in_specs, pre_specs)])
-out = threaded_first_call() if "threaded_first_call" in globals() else g(*args)
-outs = out if isinstance(out, tuple) else (out,)
-f64 = {"F32": F64, "F64": F64, "BF16": F64, "F16": F64}
-g64 = type(f)(f.__code__, {**f.__globals__, **f64})
-refs = g64(*structure([t.double() if t.is_floating_point() else t for t in inputs]))
-eager = f(*structure(inputs))
-refs = refs if isinstance(refs, tuple) else (refs,)
-eager = eager if isinstance(eager, tuple) else (eager,)
-for i, (o, r, e) in enumerate(zip(outs, refs, eager)):
-    got = o.to_torch()
-    print(f"output {i}: spmd {o.dtype}{list(o.shape)} eager {e.dtype}{list(e.shape)}")
-    if got.shape == e.shape and got.is_floating_point():
-        scale = r.abs().max().item() or 1.0
-        print(f"  spmd error {(got.double() - r).abs().max().item() / scale:.3g}, "
-              f"eager error {(e.double() - r).abs().max().item() / scale:.3g} (relative to max |ref|)")
-    elif got.shape == e.shape:
-        print("  equal to eager:", torch.equal(got, e))
+for call in range(CALLS):  # each call with fresh inputs, through the same jitted g
+    inputs = make_inputs(call)
+    print(f"call {call}:")
+    args = structure([place(t, m, s, p) for t, m, s, p in zip(inputs, modes, in_specs, pre_specs)])
+    out = threaded_first_call() if call == 0 and "threaded_first_call" in globals() else g(*args)
+    outs = out if isinstance(out, tuple) else (out,)
+    f64 = {"F32": F64, "F64": F64, "BF16": F64, "F16": F64}
+    g64 = type(f)(f.__code__, {**f.__globals__, **f64})
+    refs = g64(*structure([t.double() if t.is_floating_point() else t for t in inputs]))
+    eager = f(*structure(inputs))
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    eager = eager if isinstance(eager, tuple) else (eager,)
+    for i, (o, r, e) in enumerate(zip(outs, refs, eager)):
+        got = o.to_torch()
+        print(f"output {i}: spmd {o.dtype}{list(o.shape)} eager {e.dtype}{list(e.shape)}")
+        if got.shape == e.shape and got.is_floating_point():
+            scale = r.abs().max().item() or 1.0
+            print(f"  spmd error {(got.double() - r).abs().max().item() / scale:.3g}, "
+                  f"eager error {(e.double() - r).abs().max().item() / scale:.3g} (relative to max |ref|)")
+        elif got.shape == e.shape:
+            print("  equal to eager:", torch.equal(got, e))
 '''

@@ -187,3 +187,41 @@ def test_tolerance_follows_the_least_precise_dtype_an_output_passed_through():
     with pytest.raises(Wrong):
         compare_float(0, got, ref.float(), ref.float(), ref)
     assert compare_float(0, got, ref.float(), ref.float(), ref, floor=bf16) <= 1.0
+
+
+def test_tolerance_of_a_cancelling_float64_sum_scales_with_its_terms():
+    """Seed 2027 #9454: a float64 sum of 128 layer-norm outputs (terms of size 1) is ~1e-15; spmd's
+    order of summation gives another ~1e-15, eager's happens to equal the reference and the float32
+    run cancels to 0. The perturbed float64 runs' noise (the size of float64 rounding of those
+    terms) admits it; without that noise, or with a real error on top, it is wrong."""
+    g = torch.Generator().manual_seed(9454)
+    x = torch.nn.functional.layer_norm(torch.randn(8, 16, generator=g, dtype=torch.float64), (16,)).view(128)
+    ref = x.sum(-1, keepdim=True)
+    got = x.flip(0).sum(-1, keepdim=True) + 4 * torch.finfo(torch.float64).eps  # another order, a few ulps of 1
+    noise = (x * (1 + 1e-15 * torch.randn(128, generator=g, dtype=torch.float64))).sum(-1, keepdim=True) - ref
+    noise = noise.abs() + torch.finfo(torch.float64).eps
+    e32 = torch.zeros_like(ref, dtype=torch.float32)
+    assert compare_float(0, got, ref, e32, ref, noise=noise) <= 1.0
+    with pytest.raises(Wrong, match="error"):
+        compare_float(0, got, ref, e32, ref)
+    for wrong in (ref + 1e-9, ref + 1.0, -ref + 1e-12, x[:60].sum(-1, keepdim=True)):  # deliberate errors
+        with pytest.raises(Wrong, match="error"):
+            compare_float(0, wrong, ref, e32, ref, noise=noise)
+
+
+def test_reference_noise_is_rounding_sized_and_median_reference_is_eagers_right_answer():
+    """``references`` on a case: the float64 noise of a well-conditioned output is a few ulps of it
+    (so it loosens nothing there), and the reference of ``median`` along an expanded dim is the
+    broadcast value (eager's own CPU kernel is wrong on a stride-0 dim, seed 2027 #4646)."""
+    from tests.fuzz.oracle import EagerWorkarounds, references
+
+    case = _case()
+    inputs = [i.make(0) for i in case.inputs]
+    _, _, ref, noise = references(case, inputs)
+    for r, nz in zip(ref, noise):
+        if nz is not None:
+            assert float(nz.max()) <= 1e-12 * max(float(r.abs().max()), 1.0), float(nz.max())
+    x = torch.randn(4, 1, 3, dtype=torch.float64)
+    with EagerWorkarounds():
+        assert torch.equal(x.expand(4, 5, 3).median(dim=1).values, x[:, 0])
+        assert torch.equal(x.expand(4, 5, 3).nanmedian(dim=1).values, x[:, 0])

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from spmd.runtime.comm.base import chunk_index, reduce_stack
+from spmd.runtime.comm.nan_reduce import run_nan_safe
 from spmd.runtime.comm.one_shot import StagingBuffers, is_one_shot, one_shot_cuda
 from spmd.runtime.thunks import CollectiveSpec
 
@@ -132,7 +133,9 @@ class CudaCommunicator:
         streams = [env.streams[stream_id] for env in envs]
         for s in streams:
             torch.cuda.set_stream(s)
-        x = list(inputs)
+        return run_nan_safe(spec, inputs, lambda sp, x: self._dispatch(sp, x, streams, stream_id))
+
+    def _dispatch(self, spec: CollectiveSpec, x: list[Tensor], streams, stream_id: int) -> list[Tensor]:
         if spec.kind == "collective-permute":
             return self._permute(spec, x, streams, stream_id)
         if spec.kind == "all-to-all":

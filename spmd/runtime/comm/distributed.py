@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from spmd.runtime.comm.base import chunk_index
+from spmd.runtime.comm.nan_reduce import run_nan_safe
 from spmd.runtime.comm.symmetric import SymmetricOneShot
 from spmd.runtime.thunks import CollectiveSpec
 
@@ -64,30 +65,32 @@ class DistributedCommunicator:
         """Run ``spec`` with this device's operand ``inputs[0]``; returns ``[result]``."""
         if envs:
             torch.cuda.set_stream(envs[0].streams[stream_id])
-        x = inputs[0].contiguous()
+        return run_nan_safe(spec, inputs, lambda sp, x: [self._dispatch(sp, x[0].contiguous())])
+
+    def _dispatch(self, spec: CollectiveSpec, x: Tensor) -> Tensor:
         pid = self.pids[0]
         if spec.kind == "collective-permute":
-            return [self._permute(spec, x, pid)]
+            return self._permute(spec, x, pid)
         group = next(g for g in spec.groups if pid in g)
         if spec.kind == "all-to-all":
-            return [self._all_to_all(spec, x, pid, group)]
+            return self._all_to_all(spec, x, pid, group)
         pg = self._groups[tuple(sorted(group))]
         if spec.kind == "all-gather":
             parts = [torch.empty_like(x) for _ in group]
             dist.all_gather(parts, x, group=pg)
             by_rank = dict(zip(sorted(group), parts, strict=True))
-            return [torch.cat([by_rank[p] for p in group], dim=spec.dim)]
+            return torch.cat([by_rank[p] for p in group], dim=spec.dim)
         if spec.kind == "all-reduce" and spec.algorithm == "one-shot":
             y = self.one_shot.run(spec, x)
             if y is not None:
-                return [y]
+                return y
         y = x.clone()
         dist.all_reduce(y, op=_OPS[spec.reduce_op], group=pg)
         if spec.kind == "all-reduce":
-            return [y]
+            return y
         if spec.kind == "reduce-scatter":
             start, size = chunk_index(tuple(y.shape), spec.dim, len(group), group.index(pid))
-            return [y.narrow(spec.dim, start, size).clone(memory_format=torch.contiguous_format)]
+            return y.narrow(spec.dim, start, size).clone(memory_format=torch.contiguous_format)
         raise ValueError(f"collective kind: expected one of all-gather, reduce-scatter, all-reduce, all-to-all, "
                          f"collective-permute, got {spec.kind!r}")
 

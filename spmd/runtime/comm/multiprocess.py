@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from spmd.distributed.guard import guarded, subgroup
 from spmd.runtime.comm.base import chunk_index, reduce_stack
+from spmd.runtime.comm.nan_reduce import run_nan_safe
 from spmd.runtime.comm.symmetric import DTYPES as SYMM_DTYPES
 from spmd.runtime.comm.symmetric import one_shot_sum, symm_mem_supported, symmetric_buffer
 from spmd.runtime.thunks import CollectiveSpec
@@ -83,7 +84,9 @@ class MultiProcessCommunicator:
             for env in envs:
                 torch.cuda.set_stream(env.streams[stream_id])
         self.calls += 1
-        x = list(inputs)
+        return run_nan_safe(spec, inputs, lambda sp, x: self._dispatch(sp, x, stream_id, envs))
+
+    def _dispatch(self, spec: CollectiveSpec, x: list[Tensor], stream_id: int, envs: Sequence[Any]) -> list[Tensor]:
         out: list = [None] * len(x)
         if spec.kind in ("collective-permute", "all-to-all"):
             self._point_to_point(spec, x, out)
