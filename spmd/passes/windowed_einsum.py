@@ -191,13 +191,12 @@ def _lanes(groups, chunk: int, bidir: bool, rs: bool) -> list[_Lane]:
     return [_Lane(nxt, base, -1, 0, a, "cw"), _Lane(prv, 1 if rs else 0, 1, a, chunk - a, "ccw")]
 
 
-@dataclass(frozen=True)
-class _AgSite:
+class GatherSizes:
+    """Ring sizes of an all-gather site with fields ``ag``, ``groups`` and gather dim ``dim``."""
+
     ag: Instruction
     groups: tuple[tuple[int, ...], ...]
     dim: int
-    uses: tuple[_Use, ...]
-    collective: ClassVar[str] = "all-gather"
 
     @property
     def p(self) -> int:
@@ -214,6 +213,39 @@ class _AgSite:
     @property
     def chunk_bytes(self) -> int:
         return self.ag.operands[0].shape.size_bytes
+
+
+class ScatterSizes:
+    """Ring sizes of a reduce-scatter site with fields ``rs``, ``groups`` and scatter dim ``dim``."""
+
+    rs: Instruction
+    groups: tuple[tuple[int, ...], ...]
+    dim: int
+
+    @property
+    def p(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def chunk(self) -> int:
+        return self.rs.shape.dims[self.dim]
+
+    @property
+    def dtype(self) -> str:
+        return self.rs.shape.dtype
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.rs.shape.size_bytes
+
+
+@dataclass(frozen=True)
+class _AgSite(GatherSizes):
+    ag: Instruction
+    groups: tuple[tuple[int, ...], ...]
+    dim: int
+    uses: tuple[_Use, ...]
+    collective: ClassVar[str] = "all-gather"
 
     def gemms(self) -> list[GemmShape]:
         out = []
@@ -279,29 +311,13 @@ def _match_ag(ag: Instruction, users, comp: Computation, n: int) -> _AgSite | No
 
 
 @dataclass(frozen=True)
-class _RsSite:
+class _RsSite(ScatterSizes):
     rs: Instruction
     dot: Instruction
     groups: tuple[tuple[int, ...], ...]
     dim: int
     src: tuple[int | None, int | None]
     collective: ClassVar[str] = "reduce-scatter"
-
-    @property
-    def p(self) -> int:
-        return len(self.groups[0])
-
-    @property
-    def chunk(self) -> int:
-        return self.rs.shape.dims[self.dim]
-
-    @property
-    def dtype(self) -> str:
-        return self.rs.shape.dtype
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.rs.shape.size_bytes
 
     def gemms(self) -> list[GemmShape]:
         m = self.p * self.chunk

@@ -50,6 +50,8 @@ from spmd.ir.hlo import Computation, Instruction, Shape, ancestor_ids
 from spmd.passes.cost_model import GemmShape
 from spmd.passes.windowed_einsum import (
     MARK,
+    GatherSizes,
+    ScatterSizes,
     _contract_numel,
     _dot_layout,
     _Emitter,
@@ -70,7 +72,7 @@ class _ReshapeUse:
 
 
 @dataclass(frozen=True)
-class AgReshapeSite:
+class AgReshapeSite(GatherSizes):
     """all-gather ``ag`` (dim ``dim``) → reshape ``view`` merging dims [first, last] → dots ``uses``.
 
     ``keep``: the reshape has other users (e.g. weight-gradient dots contracting the merged dim),
@@ -86,22 +88,6 @@ class AgReshapeSite:
     uses: tuple[_ReshapeUse, ...]
     keep: bool = False
     collective: ClassVar[str] = "all-gather"
-
-    @property
-    def p(self) -> int:
-        return len(self.groups[0])
-
-    @property
-    def chunk(self) -> int:
-        return self.ag.operands[0].shape.dims[self.dim]
-
-    @property
-    def dtype(self) -> str:
-        return self.ag.shape.dtype
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.ag.operands[0].shape.size_bytes
 
     def gemms(self) -> list[GemmShape]:
         m = self.view.shape.dims[self.first]
@@ -223,7 +209,7 @@ def _use(view: Instruction, dot: Instruction, merged: int) -> _ReshapeUse | None
 
 
 @dataclass(frozen=True)
-class RsReshapeSite:
+class RsReshapeSite(ScatterSizes):
     """dot → reshape ``view`` (splitting dot dim ``first`` into view dims [first, last]) → reduce-scatter
     ``rs`` over view dim ``dim``."""
 
@@ -235,22 +221,6 @@ class RsReshapeSite:
     first: int
     last: int
     collective: ClassVar[str] = "reduce-scatter"
-
-    @property
-    def p(self) -> int:
-        return len(self.groups[0])
-
-    @property
-    def chunk(self) -> int:
-        return self.rs.shape.dims[self.dim]
-
-    @property
-    def dtype(self) -> str:
-        return self.rs.shape.dtype
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.rs.shape.size_bytes
 
     def gemms(self) -> list[GemmShape]:
         m = self.dot.shape.dims[self.first]

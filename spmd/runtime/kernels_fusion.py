@@ -221,24 +221,7 @@ def _attr_key(v: Any) -> Any:
 def _compile(structure: tuple, eager: Callable[..., Tensor], ops: list[Tensor]) -> Callable[..., Tensor]:
     """The generated kernel of a fusion for ``ops``' device and layout (cached), else ``eager``."""
     key = (structure, str(ops[0].device), *((tuple(t.shape), t.stride(), t.dtype) for t in ops))
-    with COMPILE_LOCK:  # one compile at a time (make_fx uses global modes, as torch.export does)
-        hit = _cache.get(key)
-        if hit is not None:
-            metrics.counter("fusion.compile_cache.hit").inc()
-            return hit
-        try:
-            with metrics.timer("fusion.compile"):
-                compiled = _inductor(eager, ops)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to op-by-op execution
-            reason = type(exc).__name__
-            metrics.counter(f"fusion.fallback.{reason}").inc()
-            if reason not in _logged:
-                _logged.add(reason)
-                first = str(exc).splitlines()[0][:200] if str(exc) else ""
-                logger.warning("fusion: running op by op (%s: %s)", reason, first)
-            compiled = eager
-        _cache[key] = compiled
-        return compiled
+    return _cached_compile(key, lambda: _inductor(eager, ops), eager)
 
 
 def _compile_into(structure: tuple, eager: Callable[..., Tensor], ops: list[Tensor],
@@ -248,13 +231,19 @@ def _compile_into(structure: tuple, eager: Callable[..., Tensor], ops: list[Tens
     for it (the caller then runs op by op and copies, as ``_compile`` falls back)."""
     key = ("into", structure, str(out.device), tuple(out.shape), out.stride(), out.dtype,
            *((tuple(t.shape), t.stride(), t.dtype) for t in ops))
-    with COMPILE_LOCK:
+    return _cached_compile(key, lambda: _inductor_into(eager, ops, out), None)
+
+
+def _cached_compile(key: tuple, build: Callable[[], Any], fallback: Any) -> Any:
+    """``build()`` once per ``key`` under the compile lock; ``fallback`` (cached too) when it raises,
+    counted as ``fusion.fallback.<exception type>`` and logged once per type."""
+    with COMPILE_LOCK:  # one compile at a time (make_fx uses global modes, as torch.export does)
         if key in _cache:
             metrics.counter("fusion.compile_cache.hit").inc()
             return _cache[key]
         try:
             with metrics.timer("fusion.compile"):
-                writer = _inductor_into(eager, ops, out)
+                compiled = build()
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to op-by-op execution
             reason = type(exc).__name__
             metrics.counter(f"fusion.fallback.{reason}").inc()
@@ -262,9 +251,9 @@ def _compile_into(structure: tuple, eager: Callable[..., Tensor], ops: list[Tens
                 _logged.add(reason)
                 first = str(exc).splitlines()[0][:200] if str(exc) else ""
                 logger.warning("fusion: running op by op (%s: %s)", reason, first)
-            writer = None
-        _cache[key] = writer
-        return writer
+            compiled = fallback
+        _cache[key] = compiled
+        return compiled
 
 
 def _inductor_into(fn: Callable[..., Tensor], ops: list[Tensor], out: Tensor) -> Callable[..., Tensor]:
