@@ -66,6 +66,8 @@ def _mesh(args):
     if set(axes) - {"dp", "tp"}:
         raise CliError(f"--mesh: expected axes dp and/or tp, got {args.mesh!r}")
     axes.setdefault("tp", 1)
+    if args.fsdp and axes.get("dp", 1) < 2:
+        raise CliError(f"--fsdp: shards parameters over the dp axis, which needs 2 or more devices; got mesh {axes}")
     return make_mesh(axes, args.device), axes
 
 
@@ -143,7 +145,7 @@ def cmd_train(args, console: Console) -> int:
     lr = args.lr if args.lr is not None else (3e-3 if args.task == "gpt" else 2e-5)
     ts = make_train_step(model, mesh, plan, loss_fn, optimizer=AdamW(lr=lr, weight_decay=0.1 if args.task == "gpt"
                                                                       else 0.01),
-                         fsdp=args.fsdp and axes.get("dp", 1) > 1, clip_grad_norm=1.0,
+                         fsdp=args.fsdp, clip_grad_norm=1.0,
                          options=CompileOptions(remat=args.remat))
     start = 0
     if args.resume:
