@@ -191,52 +191,52 @@ def _lanes(groups, chunk: int, bidir: bool, rs: bool) -> list[_Lane]:
     return [_Lane(nxt, base, -1, 0, a, "cw"), _Lane(prv, 1 if rs else 0, 1, a, chunk - a, "ccw")]
 
 
-class GatherSizes:
-    """Ring sizes of an all-gather site with fields ``ag``, ``groups`` and gather dim ``dim``."""
+class RingSizes:
+    """Ring sizes of a windowed-einsum site: ``p`` devices in each of ``groups``, and the per-device
+    piece (``_piece``: its shape) that moves each step, cut along ``dim``."""
+
+    groups: tuple[tuple[int, ...], ...]
+    dim: int
+
+    @property
+    def _piece(self):
+        raise NotImplementedError
+
+    @property
+    def p(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def chunk(self) -> int:
+        return self._piece.dims[self.dim]
+
+    @property
+    def dtype(self) -> str:
+        return self._piece.dtype
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._piece.size_bytes
+
+
+class GatherSizes(RingSizes):
+    """An all-gather site (field ``ag``): each step moves one operand shard."""
 
     ag: Instruction
-    groups: tuple[tuple[int, ...], ...]
-    dim: int
 
     @property
-    def p(self) -> int:
-        return len(self.groups[0])
-
-    @property
-    def chunk(self) -> int:
-        return self.ag.operands[0].shape.dims[self.dim]
-
-    @property
-    def dtype(self) -> str:
-        return self.ag.shape.dtype
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.ag.operands[0].shape.size_bytes
+    def _piece(self):
+        return self.ag.operands[0].shape
 
 
-class ScatterSizes:
-    """Ring sizes of a reduce-scatter site with fields ``rs``, ``groups`` and scatter dim ``dim``."""
+class ScatterSizes(RingSizes):
+    """A reduce-scatter site (field ``rs``): each step moves one result shard."""
 
     rs: Instruction
-    groups: tuple[tuple[int, ...], ...]
-    dim: int
 
     @property
-    def p(self) -> int:
-        return len(self.groups[0])
-
-    @property
-    def chunk(self) -> int:
-        return self.rs.shape.dims[self.dim]
-
-    @property
-    def dtype(self) -> str:
-        return self.rs.shape.dtype
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.rs.shape.size_bytes
+    def _piece(self):
+        return self.rs.shape
 
 
 @dataclass(frozen=True)
