@@ -37,7 +37,7 @@ from typing import ClassVar
 from spmd.ir.hlo import Instruction, Module
 from spmd.ir.sharding import TensorSharding
 from spmd.passes.reshard import normalize
-from spmd.passes.sharding_rules import plan
+from spmd.passes.sharding_rules import HALF_FLOATS, plan
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ class _State:
     def _set(self, inst: Instruction, s: TensorSharding) -> bool:
         if inst.sharding is not None or id(inst) in self.fixed or inst.shape.is_tuple:
             return False
-        if inst.opcode == "parameter":
-            s = s.with_partial(())
+        if inst.opcode == "parameter" or (inst.opcode == "dot" and inst.shape.dtype in HALF_FLOATS):
+            s = s.with_partial(())  # a 16-bit dot's partial sum is reduced in float32 at the dot (spmd-partition)
         inst.sharding = normalize(s, self.mesh)
         return True
 

@@ -62,7 +62,7 @@ def plan(inst: Instruction, current: list[TensorSharding | None], out: TensorSha
 # before the sum rounds each device's term at the scale of that term (which may be far larger
 # than the sum), so those ops take the all-reduced value instead; in 32- and 64-bit types the
 # reordering is harmless and saves the collective (as XLA does).
-_LOW_PRECISION = frozenset({"bf16", "f16"})
+HALF_FLOATS = _LOW_PRECISION = frozenset({"bf16", "f16"})
 _EXACT_ON_PARTIALS = frozenset({"add", "subtract", "negate", "copy", "convert"})
 
 

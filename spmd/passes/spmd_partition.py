@@ -37,7 +37,7 @@ from spmd.passes.partition_iota import partition_iota
 from spmd.passes.partition_scan import partition_custom_call
 from spmd.passes.propagate_sharding import PropagateSharding
 from spmd.passes.reshard import IDENTITY, Emitter, local_shape, mask_padding, normalize, reshard
-from spmd.passes.sharding_rules import Plan, dot_dims, plan, reduce_kind
+from spmd.passes.sharding_rules import HALF_FLOATS, Plan, dot_dims, plan, reduce_kind
 
 _NOT_ALLOWED = COLLECTIVE_OPCODES | ASYNC_START_OPCODES | ASYNC_DONE_OPCODES | {"partition-id"}
 
@@ -166,7 +166,21 @@ class _Partitioner:
         lhs, rhs = inst.operands
         ops = [mask_padding(self.em, ops[0], p.operands[0], lhs.shape.dims, lc, 0.0),
                mask_padding(self.em, ops[1], p.operands[1], rhs.shape.dims, rc, 0.0)]
-        return self._emit_local(inst, ops, p.result), p.result
+        if not (p.result.partial and inst.shape.dtype in HALF_FLOATS):
+            return self._emit_local(inst, ops, p.result), p.result
+        return self._widened_partial(inst, ops, p.result)
+
+    def _widened_partial(self, inst: Instruction, ops, partial: TensorSharding):
+        """A 16-bit dot whose contracting dims are split: each device's partial product stays
+        float32 through the reduction and the sum rounds once (as one device's GEMM accumulates
+        in float32 and rounds once), instead of every device rounding its term to 16 bits."""
+        wide = Instruction(inst.name, inst.opcode, inst.shape.with_dtype("f32"), (), dict(inst.attrs),
+                           location=inst.location)
+        local = self._emit_local(wide, ops, partial)
+        want = normalize(inst.sharding, self.mesh) if inst.sharding is not None else partial
+        full = want.with_partial(())
+        summed = self._reshard(local, partial, full, inst)
+        return self.em.emit("convert", summed.shape.with_dtype(inst.shape.dtype), [summed], sharding=full), full
 
     def _reduce(self, inst: Instruction, ops, p: Plan):
         kind = reduce_kind(inst)

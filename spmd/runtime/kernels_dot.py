@@ -9,6 +9,7 @@ strides allow (row-major inputs in the usual layouts: ``x @ w``, ``x @ w.T``, at
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -25,6 +26,28 @@ def _split_dims(rank: int, batch: tuple[int, ...], contracting: tuple[int, ...])
 
 def _perm_or_none(perm: tuple[int, ...]) -> tuple[int, ...] | None:
     return None if perm == tuple(range(len(perm))) else perm
+
+
+def widened_mm(mm, x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+    """``mm(x, y)`` accumulated and returned in the wider float ``dtype`` (a bf16 product with a
+    float32 result is not rounded to bf16 first): cuBLAS's ``out_dtype`` GEMM where the device has
+    one, else the product of the operands converted to ``dtype`` (exact: products of 16-bit values
+    are exact in float32)."""
+    if x.is_cuda and dtype == torch.float32 and _has_out_dtype_gemm(x.dtype):
+        return mm(x, y, out_dtype=dtype)
+    return mm(x.to(dtype), y.to(dtype))
+
+
+@functools.cache
+def _has_out_dtype_gemm(dtype: torch.dtype) -> bool:
+    """Whether this PyTorch build's CUDA ``mm`` / ``bmm`` take ``out_dtype=torch.float32`` for ``dtype`` operands."""
+    try:
+        x = torch.ones(1, 1, 1, dtype=dtype, device="cuda")
+        torch.mm(x[0], x[0], out_dtype=torch.float32)
+        torch.bmm(x, x, out_dtype=torch.float32)
+        return True
+    except (RuntimeError, TypeError):
+        return False
 
 
 def build_dot(inst: Instruction, dev=None):
@@ -48,6 +71,7 @@ def build_dot(inst: Instruction, dev=None):
     out_dims = inst.shape.dims
     dtype = inst.shape.torch_dtype
     convert = lhs.shape.dtype != inst.shape.dtype
+    widen = convert and dtype.is_floating_point and dtype.itemsize > lhs.shape.torch_dtype.itemsize
     if lb:
         a_shape, b_shape, o_shape, mm = (b, m, k), (b, k, n), (b, m, n), torch.bmm
     else:
@@ -64,7 +88,7 @@ def build_dot(inst: Instruction, dev=None):
         if out is not None and not convert and out.is_contiguous():
             mm(x, y, out=out.view(o_shape))
             return out
-        r = mm(x, y).reshape(out_dims)
+        r = (widened_mm(mm, x, y, dtype) if widen else mm(x, y)).reshape(out_dims)
         if convert:
             r = r.to(dtype)
         if out is None:
