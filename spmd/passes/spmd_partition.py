@@ -166,7 +166,7 @@ class _Partitioner:
         lhs, rhs = inst.operands
         ops = [mask_padding(self.em, ops[0], p.operands[0], lhs.shape.dims, lc, 0.0),
                mask_padding(self.em, ops[1], p.operands[1], rhs.shape.dims, rc, 0.0)]
-        if not (p.result.partial and inst.shape.dtype in HALF_FLOATS):
+        if not (self.mesh.axes_size(p.result.partial) > 1 and inst.shape.dtype in HALF_FLOATS):
             return self._emit_local(inst, ops, p.result), p.result
         return self._widened_partial(inst, ops, p.result)
 

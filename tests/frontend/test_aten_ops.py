@@ -155,6 +155,16 @@ def test_a_16bit_dot_over_a_sharded_contraction_rounds_once(devices, dtype):
         assert (y != want).float().mean() < 0.02, (y != want).float().mean()
 
 
+def test_a_16bit_dot_over_a_mesh_axis_of_one_device_stays_16_bit():
+    """Nothing is summed over a 1-device axis: the dot stays one bf16 GEMM (no float32 result, no convert)."""
+    mesh = Mesh.create({"dp": 2, "tp": 1}, devices="cpu:2")
+    x, w = torch.randn(8, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    f = spmd.jit(F.linear, mesh=mesh, in_shardings=(P("dp", "tp"), P(None, "tp")), out_shardings=P("dp"))
+    text = f.lower(x, w).as_text("spmd-partition")
+    assert "bf16[4,16] dot(" in text and "f32" not in text.split("ENTRY")[1], text
+    assert torch.equal(f(x, w).to_torch(), F.linear(x, w))
+
+
 def test_a_16bit_row_parallel_dot_reduce_scatters_float32_partials():
     """Sequence parallel after a row-parallel bf16 dot: the float32 partial products are
     reduce-scattered (not all-reduced in bf16) and rounded once after."""
