@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -88,8 +89,8 @@ def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool):
     fn = _reduction(accumulate)
     try:
         with kf.COMPILE_LOCK, torch.no_grad(), metrics.timer("gemv.compile"):
+            gm = make_fx(fn)(x, w, out.clone())  # tracing runs fn: it accumulates into a throwaway copy
             scratch = out.clone()
-            gm = make_fx(fn)(x, w, scratch)
             compiled = torch._inductor.compile(gm, [x, w, scratch], options=_OPTIONS)
             compiled(x, w, scratch)
             want = fn(x, w, out.clone())
@@ -108,22 +109,39 @@ def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool):
         else:
             torch.mm(x, w.t(), out=out)
 
-    probe = out.clone()
-    gen_us, blas_us = _median_us(generated, x, w, probe), _median_us(cublas, x, w, probe)
+    gen_us, blas_us = _median_us((generated, cublas), x, w, out.clone())
+    DECISIONS.append(Decision(tuple(w.shape), str(x.dtype), accumulate, gen_us, blas_us))
     metrics.counter("gemv.generated" if gen_us < blas_us else "gemv.cublas").inc()
     return generated if gen_us < blas_us else None
 
 
-def _median_us(kernel: Callable[[Tensor, Tensor, Tensor], None], x: Tensor, w: Tensor, out: Tensor) -> float:
-    """Median µs of one call with a cold L2 (a large write before each call evicts ``w``)."""
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=x.device)
+@dataclass(frozen=True)
+class Decision:
+    """One timed choice: weight ``[N, K]``, dtype, accumulate, and each candidate's median µs."""
+
+    weight_shape: tuple[int, int]
+    dtype: str
+    accumulate: bool
+    generated_us: float
+    cublas_us: float
+
+
+DECISIONS: list[Decision] = []  # every choice made in this process, in order (for reports)
+
+
+def _median_us(kernels, x: Tensor, w: Tensor, out: Tensor) -> tuple[float, ...]:
+    """Median µs of one call of each kernel, interleaved, each with a cold L2 (a read of a large
+    buffer before each call evicts ``w`` and leaves no dirty lines to write back)."""
+    flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=x.device)
+    total = torch.empty((), dtype=torch.float32, device=x.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
+    times: list[list[float]] = [[] for _ in kernels]
     for _ in range(_TIMED_CALLS + 1):
-        flush.zero_()
-        start.record()
-        kernel(x, w, out)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times[1:])
+        for k, kernel in enumerate(kernels):
+            torch.sum(flush, dim=0, out=total)
+            start.record()
+            kernel(x, w, out)
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end) * 1e3)
+    return tuple(statistics.median(t[1:]) for t in times)
