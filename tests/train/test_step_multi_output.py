@@ -109,3 +109,20 @@ def test_train_step_with_generated_kernels_on_cpu_equals_torch_optim(monkeypatch
     """The same through Inductor's generated kernels (stores over the donated operands)."""
     monkeypatch.setenv(kf.COMPILER_ENV, "inductor")
     _check(1)
+
+
+def test_mixed_precision_step_equals_the_unmerged_program_bit_for_bit():
+    """bf16 compute, float32 master weights and moments: merged and unmerged update fusions agree exactly."""
+    states = []
+    for enabled in (False, True):
+        ts = make_train_step(_model(), Mesh.create(("dp",), devices="cpu:1"), None,
+                             lambda apply, b: F.mse_loss(apply(b["x"]).float(), b["y"]),
+                             optimizer=AdamW(lr=1e-2, weight_decay=0.1), compute_dtype=torch.bfloat16,
+                             options=CompileOptions(multi_output_fusion=enabled))
+        for b in _batches(3):
+            ts.step(b)
+        assert _update_fusions_per_parameter(ts) == [1 if enabled else 3] * len(ts.params)
+        states.append(ts.state_dict())
+    assert states[0].keys() == states[1].keys()
+    for name, want in states[0].items():
+        assert torch.equal(states[1][name], want), name
