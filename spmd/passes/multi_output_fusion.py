@@ -30,7 +30,9 @@ Merge rules (kept simple and safe):
   set (a merged fusion must be placed after all its inputs and before all its users);
 - members lie within ``max_distance`` instructions of each other in program order (merging a
   forward value with a backward one would stretch live ranges over the whole step);
-- at most ``max_members`` fusions per merged fusion.
+- at most ``max_members`` fusions per merged fusion;
+- never a fusion with an equal one (same operands and computation): after ``rematerialize``
+  (which runs first) that is a recomputed copy, kept at its far use on purpose.
 
 The entry computation is then put in a def-before-use order again, as close to the previous
 order as possible (a merged fusion sits at its last member's place).
@@ -44,7 +46,7 @@ from typing import ClassVar
 
 from spmd.ir.builder import Builder
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
-from spmd.passes.cse import cse_computation
+from spmd.passes.cse import cse_computation, instruction_key
 from spmd.passes.fuse_elementwise import CHEAP_OPCODES, FUSED_COMPUTATION
 
 
@@ -109,11 +111,19 @@ class _Planner:
         self.order = {id(i): k for k, i in enumerate(comp.instructions)}
         self.users = comp.users()
         self.parent: dict[int, int] = {}
+        self.keys: dict[int, tuple] = {}
         self.members: dict[int, list[Instruction]] = {}
         for inst in comp.instructions:
             if is_loop_fusion(inst):
                 self.parent[id(inst)] = id(inst)
                 self.members[id(inst)] = [inst]
+
+    def key(self, inst: Instruction) -> tuple:
+        """Equal for fusions that compute the same value (same operands, same called computation)."""
+        k = self.keys.get(id(inst))
+        if k is None:
+            k = self.keys[id(inst)] = instruction_key(inst, structural_calls=True)
+        return k
 
     def find(self, i: int) -> int:
         while self.parent[i] != i:
@@ -148,6 +158,8 @@ class _Planner:
         first = ma[0]
         if any(m.shape.dims != first.shape.dims or m.stream_id != first.stream_id for m in mb):
             return False
+        if any(self.key(x) == self.key(y) for x in ma for y in mb):
+            return False  # a recomputed copy (rematerialize) and its original: keep the copy at its far use
         pos = [self.order[id(m)] for m in ma + mb]
         if max(pos) - min(pos) > self.max_distance or self.creates_cycle(ra, rb):
             return False

@@ -37,7 +37,7 @@ HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "reduce-scatter-creator",
           "all-reduce-reuse", "sink-scale", "windowed-einsum", "merge-dots", "fuse-attention", "hoist-weights",
-          "split-batch", "combine-collectives", "fuse-elementwise", "multi-output-fusion", "rematerialize",
+          "split-batch", "combine-collectives", "fuse-elementwise", "rematerialize", "multi-output-fusion",
           "select-all-reduce", "assign-streams", "async-collectives", "schedule")
 
 
@@ -261,8 +261,8 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
         SplitBatch(mode=options.split_batch_overlap),
         CombineCollectives(bucket_size_bytes=options.bucket_size_bytes),
         FuseElementwise(enabled=options.fuse_elementwise),
-        MultiOutputFusion(enabled=options.multi_output_fusion and options.fuse_elementwise),
         Rematerialize(mode=options.remat, max_copies=options.remat_max_copies),
+        MultiOutputFusion(enabled=options.multi_output_fusion and options.fuse_elementwise),
         SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
                         process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),

@@ -227,3 +227,18 @@ def test_random_dags_compute_the_same_through_the_runtime(data):
     got, _ = ex.run(per_param, donated=frozenset(range(len(per_param))))
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w[0].nan_to_num(), g[0].nan_to_num()) and torch.equal(w[0].isnan(), g[0].isnan())
+
+
+def test_a_recomputed_copy_is_not_merged_with_its_original():
+    """rematerialize leaves an equal fusion (same operands, same computation) at a far use on purpose."""
+    fused = _fused(SIBLINGS)
+    mod = parse_module(fused)
+    first = next(i for i in mod.entry.instructions if i.opcode == "fusion")
+    copy_line = next(ln for ln in fused.splitlines() if ln.startswith(f"  %{first.name} = "))
+    text = fused.replace(copy_line, copy_line + "\n" + copy_line.replace(f"%{first.name} =", "%copy =")).replace(
+        "ROOT %out = (f32[2,8], f32[2,8]) tuple(", "ROOT %out = (f32[2,8], f32[2,8], f32[2,8]) tuple(%copy, ").replace(
+        "-> (f32[2,8], f32[2,8]) {\n  %q", "-> (f32[2,8], f32[2,8], f32[2,8]) {\n  %q")
+    out, mod = run_pass_checked(MultiOutputFusion(), text)
+    copies = [i for i in mod.entry.instructions if i.name == "copy"]
+    assert len(copies) == 1 and not copies[0].shape.is_tuple
+    assert _fusion_count(mod) == 2  # the copy stays; the two siblings merge
