@@ -34,7 +34,8 @@ Merge rules (kept simple and safe):
 - never a fusion with an equal one (same operands and computation): after ``rematerialize``
   (which runs first) that is a recomputed copy, kept at its far use on purpose.
 
-The entry computation is then put in a def-before-use order again, as close to the previous
+The merged fusion takes its last member's name (made unique: a recomputed copy's ``.remat`` stays
+visible). The entry computation is then put in a def-before-use order again, as close to the previous
 order as possible (a merged fusion sits at its last member's place).
 """
 
@@ -228,12 +229,12 @@ def _outline(module: Module, builder: Builder, comp: Computation, members: list[
     last = members[-1]
     if len(outputs) == 1:
         fusion = builder.add("fusion", inputs, {"kind": "kLoop", "calls": body.computation}, shape=last.shape,
-                             name="fusion", sharding=outputs[0].sharding, stream_id=last.stream_id,
+                             name=last.name, sharding=outputs[0].sharding, stream_id=last.stream_id,
                              location=outputs[0].location)
         replace[id(outputs[0])] = fusion
         return fusion, []
     fusion = builder.add("fusion", inputs, {"kind": "kLoop", "calls": body.computation},
-                         shape=Shape.tuple([m.shape for m in outputs]), name="fusion", stream_id=last.stream_id,
+                         shape=Shape.tuple([m.shape for m in outputs]), name=last.name, stream_id=last.stream_id,
                          location=last.location)
     gtes = []
     for k, m in enumerate(outputs):

@@ -138,10 +138,10 @@ ENTRY %main (p: f32[8,4], g: f32[8,4], m: f32[8,4], v: f32[8,4]) -> (f32[8,4], f
   %g = f32[8,4] parameter(1)
   %m = f32[8,4] parameter(2)
   %v = f32[8,4] parameter(3)
-  %fusion = (f32[8,4], f32[8,4], f32[8,4]) fusion(%g, %m, %v, %p), calls=%fused_computation, kind=kLoop
-  %get-tuple-element = f32[8,4] get-tuple-element(%fusion), index=0
-  %get-tuple-element.1 = f32[8,4] get-tuple-element(%fusion), index=1
-  %get-tuple-element.2 = f32[8,4] get-tuple-element(%fusion), index=2
+  %fp.1 = (f32[8,4], f32[8,4], f32[8,4]) fusion(%g, %m, %v, %p), calls=%fused_computation, kind=kLoop
+  %get-tuple-element = f32[8,4] get-tuple-element(%fp.1), index=0
+  %get-tuple-element.1 = f32[8,4] get-tuple-element(%fp.1), index=1
+  %get-tuple-element.2 = f32[8,4] get-tuple-element(%fp.1), index=2
   ROOT %out = (f32[8,4], f32[8,4], f32[8,4]) tuple(%get-tuple-element.2, %get-tuple-element, %get-tuple-element.1)
 }
 """)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from spmd import Mesh
 from spmd.passes.pipeline import CompileOptions
 from spmd.runtime import kernels_fusion as kf
-from spmd.runtime.thunks import KernelThunk
+from spmd.runtime.thunks import KernelThunk, MultiOutputKernelThunk
 from spmd.train import AdamW, make_train_step
 
 STEPS = 6
@@ -51,9 +51,8 @@ def _update_fusions_per_parameter(ts) -> list[int]:
 
     def fusion_of(slot):
         th = writer[slot]
-        while not th.name.startswith("fusion"):  # a get-tuple-element reads its fusion's tuple
-            (slot,) = th.ins
-            th = writer[slot]
+        if len(th.ins) == 1 and isinstance(writer.get(th.ins[0]), MultiOutputKernelThunk):
+            th = writer[th.ins[0]]  # a get-tuple-element reads its fusion's tuple
         return th.name
     return [len({fusion_of(outs[k]), fusion_of(outs[n + 1 + k]), fusion_of(outs[2 * n + 1 + k])})
             for k in range(n)]
