@@ -480,7 +480,7 @@ def test_multi_output_fusion_elements_are_separate_values():
     get-tuple-element; the arena value computed from element 0 is placed, the elements are not."""
     from spmd.passes.assign_buffers import _Liveness, element_name
     from spmd.passes.multi_output_fusion import MultiOutputFusion
-    from tests.passes.test_multi_output_fusion import ADAMW
+    from tests.passes.multi_output_fusion_programs import ADAMW
 
     mod = parse_module(ADAMW.replace(
         "ROOT %out = (f32[8,4], f32[8,4], f32[8,4]) tuple(%fp, %fm, %fv)",

@@ -21,7 +21,7 @@ from spmd.runtime.kernels import compile_kernel
 from spmd.runtime.lower import lower
 from spmd.runtime.memory import analyze_program
 from spmd.runtime.thunks import MultiOutputKernelThunk
-from tests.passes.test_multi_output_fusion import ADAMW
+from tests.passes.multi_output_fusion_programs import ADAMW
 
 CPU = torch.device("cpu")
 
