@@ -9,8 +9,11 @@ multi-output fusion (xla/service/gpu/transforms/multi_output_fusion.cc):
 
 - producer-consumer: a fusion that reads another fusion whose value is also used elsewhere
   absorbs it; the producer's value becomes a second output of the merged fusion;
-- sibling: fusions that read the same operand (one that costs memory traffic: not a constant,
-  broadcast or other view of a few elements) merge into one fusion with both values as outputs.
+- sibling: fusions that read the same operand merge into one fusion with both values as outputs,
+  where that operand costs memory traffic: it has at least as many elements as each output (the
+  gradient an AdamW update reads three times; the q / k / v rows that rotary embeddings read),
+  and it is not a constant, broadcast or other view (a bias vector that two halves of a split
+  batch both read does not tie them together).
 
 A merged fusion's called computation holds every member's instructions (equal instructions
 computed once: a cse sweep) and ends in a ``tuple`` of the values used outside it::
@@ -141,7 +144,10 @@ class _Planner:
         for x in self.comp.instructions:  # siblings: fusions reading the same array
             if x.opcode in CHEAP_OPCODES or x.shape.is_tuple or x.shape.numel <= 1:
                 continue
-            readers = [u for u in dict.fromkeys(self.users[x]) if id(u) in self.parent]
+            # only where the shared read is as large as an output (the gradient of an update, the
+            # q/k/v rows of rotary embeddings): not a bias vector both halves of a split batch read
+            readers = [u for u in dict.fromkeys(self.users[x])
+                       if id(u) in self.parent and u.shape.numel <= x.shape.numel]
             for k, a in enumerate(readers):
                 for b in readers[k + 1:]:
                     self.try_merge(a, b)
