@@ -12,8 +12,9 @@ traced with ``make_fx`` into ``dest_i.copy_(value_i)`` for every i and compiled 
 Inductor (one Triton kernel for a pointwise body: XLA's multi-output loop fusion emits one loop
 with several stores), under CUDA graphs (``SPMD_FUSION_COMPILER``); elsewhere, and where Inductor
 fails, op by op with the unfused kernels, then copied into the destinations. The generated kernel
-is checked once against the op-by-op result, with the destinations aliasing the operands as in
-the call (on copies), so a schedule that reads an operand after storing over it never runs.
+is checked once: against the op-by-op result, and, with the destinations aliasing the operands as
+in the call (on copies), bit for bit against its own result into fresh destinations, so a
+schedule that reads an operand after storing over it never runs (the fusion then runs op by op).
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def _unsafe(ops: list[Tensor], outs: list[Tensor], in_place_ok: frozenset[int]) 
     return False
 
 
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Equal values, NaNs in the same places."""
+    if torch.equal(a, b):
+        return True
+    inf = float("inf")
+    return (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+            and torch.equal(a.nan_to_num(0.0, inf, -inf), b.nan_to_num(0.0, inf, -inf)))
+
+
 def _compile_multi_into(structure: tuple, eager: Callable, ops: list[Tensor],
                         outs: list[Tensor]) -> Callable | None:
     """A generated kernel ``fn(*ops, *outs)`` storing every element into its destination (cached
@@ -125,17 +135,22 @@ def _inductor_multi_into(fn: Callable, ops: list[Tensor], outs: list[Tensor], al
         scratch = [torch.empty_strided(d.shape, d.stride(), dtype=d.dtype, device=d.device) for d in outs]
         gm = make_fx(write)(*ops, *scratch)
         compiled = torch._inductor.compile(gm, [*ops, *scratch], options=_INDUCTOR_OPTIONS)
-        written = set(alias)  # operands the call stores over: checked on copies of the same layout
+        compiled(*ops, *scratch)  # fresh destinations: the operands stay as they are
+        written = {a for a in alias if a >= 0}  # operands the call stores over: on copies of the same layout
         copies = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
                   if k in written else t for k, t in enumerate(ops)]
-        dests = [copies[a] if a >= 0 else s for a, s in zip(alias, scratch, strict=True)]
+        dests = [copies[a] if a >= 0 else torch.empty_like(s) for a, s in zip(alias, scratch, strict=True)]
         compiled(*copies, *dests)
-    for got, w in zip(dests, want, strict=True):
+    for got, w in zip(scratch, want, strict=True):
         if got.shape != w.shape or got.dtype != w.dtype:
             raise RuntimeError(f"fusion value {w.dtype}{list(w.shape)} does not fit its buffer "
                                f"{got.dtype}{list(got.shape)}")
         if not torch.allclose(got.double(), w.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
             raise RuntimeError("compiled multi-output fusion wrote a different value into its buffer")
+    # stored over its operands, the kernel must give the same bits: a value read after its operand
+    # was overwritten (the work split over kernels that store between loads) differs
+    if not all(_same_bits(got, fresh) for got, fresh in zip(dests, scratch, strict=True)):
+        raise RuntimeError("compiled multi-output fusion reads an operand after storing over it")
 
     def run(*args: Tensor) -> None:
         compiled(*args)
