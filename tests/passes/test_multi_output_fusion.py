@@ -195,3 +195,17 @@ def test_a_recomputed_copy_is_not_merged_with_its_original():
     copies = [i for i in mod.entry.instructions if i.name == "copy"]
     assert len(copies) == 1 and not copies[0].shape.is_tuple
     assert _fusion_count(mod) == 2  # the copy stays; the two siblings merge
+
+
+def test_compile_option_is_validated_and_places_the_pass_after_rematerialize():
+    from spmd.passes.pipeline import STAGES, CompileOptions, build_passes
+
+    with pytest.raises(TypeError, match="multi_output_fusion must be True or False"):
+        CompileOptions(multi_output_fusion="yes")
+    names = [p.name for p in build_passes(CompileOptions())]
+    assert names == [s for s in STAGES if s != "import"]
+    assert names.index("multi-output-fusion") == names.index("rematerialize") + 1
+    by_name = {p.name: p for p in build_passes(CompileOptions(multi_output_fusion=False))}
+    assert by_name["multi-output-fusion"].enabled is False
+    assert by_name["fuse-elementwise"].enabled is True
+    assert {p.name: p for p in build_passes(CompileOptions(fuse_elementwise=False))}["multi-output-fusion"].enabled is False
