@@ -19,9 +19,12 @@ where ``%fused_computation`` holds the group's instructions on parameters. The r
 (``spmd.runtime.kernels_fusion``) runs the called computation as one generated kernel
 (PyTorch Inductor on CUDA devices), or op by op elsewhere.
 
-Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, constants, iota, reduce
-(add / maximum / minimum) and the custom calls ``gelu``, ``silu``, ``layer-norm``,
-``softmax``. Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, concatenates, pads,
+Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, concatenate, constants, iota,
+reduce (add / maximum / minimum) and the custom calls ``gelu``, ``silu``, ``layer-norm``,
+``softmax``. A concatenate launches a kernel of its own when unfused; fused, it is a select
+between its operands per output element (Inductor's pointwise cat: rotary embeddings'
+``cat(-x2, x1)`` then costs no kernel beside the multiply-adds that read it). Not fused: dots
+(cuBLAS), collectives, gathers, dynamic slices, pads,
 other custom calls, anything with a tuple shape or no elements, values the lowering folds on
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
 and partition-id) and ops inside called computations. Members of a group share one stream id,
@@ -55,7 +58,7 @@ from spmd.passes.folding import folded_instructions
 FUSIBLE_CUSTOM_CALLS = frozenset({"gelu", "silu", "layer-norm", "softmax", "random"})
 #: Ops that cost no kernel of their own (views or literals): duplicated into a group when shared.
 CHEAP_OPCODES = frozenset({"broadcast", "reshape", "transpose", "slice", "constant", "iota"})
-_FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce"})
+_FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce", "concatenate"})
 _REDUCERS = frozenset({"add", "maximum", "minimum"})
 #: Elementwise ops cheap enough to recompute in every consumer fusion (XLA duplicates such
 #: producers when all their users can fuse them, so that the producer's own kernel goes away).

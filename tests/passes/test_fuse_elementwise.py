@@ -173,6 +173,36 @@ ENTRY %main (x: f32[4,8], bias: f32[8]) -> (f32[4,8], f32[4,8]) {
 }
 """)
 
+    def test_a_concatenate_of_negated_halves_fuses_with_its_multiply_add(self):
+        """Rotary embedding's rotate-half: the negate and the concatenate cost no kernels of their own."""
+        text = module(["x: f32[4,8]", "c: f32[4,8]"], [
+            "%lo = f32[4,4] slice(%x), slice={[0:4:1], [0:4:1]}",
+            "%hi = f32[4,4] slice(%x), slice={[0:4:1], [4:8:1]}",
+            "%n = f32[4,4] negate(%hi)",
+            "%r = f32[4,8] concatenate(%n, %lo), dimensions={1}",
+            "%m = f32[4,8] multiply(%r, %c)",
+            "ROOT %o = f32[4,8] add(%m, %x)"], "f32[4,8]")
+        out, mod = fuse(text)
+        self.assertExpectedInline(out.split("%fused_computation", 1)[1], """\
+ (param_0: f32[4,8], param_1: f32[4,8]) -> f32[4,8] {
+  %param_0 = f32[4,8] parameter(0)
+  %param_1 = f32[4,8] parameter(1)
+  %hi.1 = f32[4,4] slice(%param_0), slice={[0:4:1], [4:8:1]}
+  %n.1 = f32[4,4] negate(%hi.1)
+  %lo.1 = f32[4,4] slice(%param_0), slice={[0:4:1], [0:4:1]}
+  %r.1 = f32[4,8] concatenate(%n.1, %lo.1), dimensions={1}
+  %m.1 = f32[4,8] multiply(%r.1, %param_1)
+  ROOT %o.1 = f32[4,8] add(%m.1, %param_0)
+}
+
+ENTRY %main (x: f32[4,8], c: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8] parameter(0)
+  %c = f32[4,8] parameter(1)
+  ROOT %fusion = f32[4,8] fusion(%x, %c), calls=%fused_computation, kind=kLoop
+}
+""")
+        assert len(fusions(mod)) == 1
+
     def test_ops_on_different_streams_are_not_fused_together(self):
         text = module(["x: f32[4,8]"], [
             "%a = f32[4,8] negate(%x), stream_id=1",
@@ -411,3 +441,26 @@ ENTRY %main (s: s64[1], x: f32[1,8], y: f32[1,8]) -> (s64[1], s64[1]) {
     fusions = [i for i in mod.entry.instructions if i.opcode == "fusion"]
     assert len(fusions) == 1 and mod.entry.root.operands == [fusions[0], fusions[0]]
     assert len([c for c in mod.computations if c.name.startswith("fused")]) == 1
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_llama_rotary_embedding_runs_no_concatenate_or_negate_of_its_own(n):
+    """Two Llama layers: rotate-half's negate and concatenate are inside fusions (each layer had
+    two of each, one kernel apiece); the output equals float64 eager."""
+    from spmd.models.llama import llama_layers
+    from spmd.models.plans import llama_plan
+
+    model = llama_layers("llama2-7b", 2, small=True, seed=4)
+    x = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    mesh = spmd.Mesh.create({"tp": n}, f"cpu:{n}")
+    pm = parallelize(model, mesh, llama_plan("tp"))
+    lowered = pm.lower(x)
+    module = lowered.result.module
+    entry_ops = [(i.opcode, i.shape.rank) for i in module.entry.instructions]
+    bodies = [i.opcode for c in module.computations if c is not module.entry for i in c.instructions]
+    # the [S, D] angle table's concatenate may stay (small inputs are folded on the host)
+    assert ("concatenate", 4) not in entry_ops and "negate" not in {op for op, _ in entry_ops}
+    assert bodies.count("concatenate") >= 2  # q's and k's rotate-half (equal layers share fusions)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    assert _rel_err(pm(x).to_torch(), want) < 1e-5
