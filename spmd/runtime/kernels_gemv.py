@@ -11,8 +11,9 @@ candidates on the device once (L2 flushed before each timed call, median of a fe
 choice is cached per (shape, dtype, accumulate, device).
 
 The generated kernel accumulates in float32 and rounds once, as cuBLAS does; ``accumulate``
-adds the float32 product to ``out``'s current value before rounding (``addmm``'s ``C + A @ B``
-in place). Used only where fusions run as generated kernels (``kernels_fusion.fusion_compiler``:
+(``addmm``'s ``C + A @ B`` in place) adds the rounded product to ``out`` in a second kernel:
+two roundings, as eager PyTorch's ``h + F.linear(x, w)`` makes. Used only where fusions run as
+generated kernels (``kernels_fusion.fusion_compiler``:
 inside CUDA-graph warm-up and capture by default), for 16-bit weights of at least
 ``MIN_WEIGHT_BYTES``, and only when a graph warm-up (not a capture) can time the candidates.
 """
@@ -73,35 +74,35 @@ def _eligible(x: Tensor, w: Tensor, out: Tensor) -> bool:
                                                             and kf._graph_call())
 
 
-def _reduction(accumulate: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    def write(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
-        r = (x.float() * w.float()).sum(-1).unsqueeze(0)
-        if accumulate:
-            r = out.float() + r
-        return out.copy_(r.to(out.dtype))
-    return write
+def _product(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
+    return out.copy_((x.float() * w.float()).sum(-1).unsqueeze(0).to(out.dtype))
 
 
 def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool):
-    """The generated kernel if it beats cuBLAS on this device, else None (compile failures too)."""
+    """The generated kernel (accumulating: into a fresh buffer, then one add into ``out``) if it
+    beats cuBLAS on this device, else None (compile failures too). Inductor's fused
+    accumulate-into-``out`` form measured twice as slow as this pair on an H200."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fn = _reduction(accumulate)
     try:
         with kf.COMPILE_LOCK, torch.no_grad(), metrics.timer("gemv.compile"):
-            gm = make_fx(fn)(x, w, out.clone())  # tracing runs fn: it accumulates into a throwaway copy
+            gm = make_fx(_product)(x, w, out.clone())
             scratch = out.clone()
             compiled = torch._inductor.compile(gm, [x, w, scratch], options=_OPTIONS)
             compiled(x, w, scratch)
-            want = fn(x, w, out.clone())
-            if not torch.allclose(scratch.float(), want.float(), rtol=2e-2, atol=2e-2):
+            if not torch.allclose(scratch.float(), _product(x, w, out.clone()).float(), rtol=2e-2, atol=2e-2):
                 raise RuntimeError("generated matrix-vector kernel disagrees with its definition")
     except Exception:  # noqa: BLE001 - any compiler failure keeps cuBLAS
         metrics.counter("gemv.fallback").inc()
         return None
 
     def generated(x: Tensor, w: Tensor, out: Tensor) -> None:
-        compiled(x, w, out)
+        if accumulate:
+            product = torch.empty_like(out)
+            compiled(x, w, product)
+            out.add_(product)
+        else:
+            compiled(x, w, out)
 
     def cublas(x: Tensor, w: Tensor, out: Tensor) -> None:
         if accumulate:
@@ -130,17 +131,25 @@ DECISIONS: list[Decision] = []  # every choice made in this process, in order (f
 
 
 def _median_us(kernels, x: Tensor, w: Tensor, out: Tensor) -> tuple[float, ...]:
-    """Median µs of one call of each kernel, interleaved, each with a cold L2 (a read of a large
-    buffer before each call evicts ``w`` and leaves no dirty lines to write back)."""
+    """Median µs of one call of each kernel as the runtime runs it (a CUDA graph replay), interleaved,
+    each with a cold L2 (a read of a large buffer before each call evicts ``w`` and leaves no dirty
+    lines to write back)."""
+    graphs = []
+    for kernel in kernels:
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            kernel(x, w, out)
+        graphs.append(g)
     flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=x.device)
     total = torch.empty((), dtype=torch.float32, device=x.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times: list[list[float]] = [[] for _ in kernels]
     for _ in range(_TIMED_CALLS + 1):
-        for k, kernel in enumerate(kernels):
+        for k, g in enumerate(graphs):
             torch.sum(flush, dim=0, out=total)
             start.record()
-            kernel(x, w, out)
+            g.replay()
             end.record()
             end.synchronize()
             times[k].append(start.elapsed_time(end) * 1e3)
