@@ -146,7 +146,8 @@ _STRIDED_RESULT_CALLS = frozenset({"attention"})
 
 def layout_views(ops: list) -> set[int]:
     """Indices of the ``reshape`` ops to leave out of the arena: those whose operand is, through
-    ops marked ``"view"`` (``mark_analysis_views``), the result of an unfused ``attention`` call.
+    ops marked ``"view"`` (``mark_analysis_views``), the result of an unfused ``attention`` call
+    whose q is itself a view (``_is_view``).
 
     ``spmd.passes.views`` sees a reshape of a transposed row-major value, which needs a copy; but
     the attention kernel's memory is [B, S, H, D], so without an arena view the reshape kernel
@@ -165,6 +166,15 @@ def layout_views(ops: list) -> set[int]:
         while src is not None and "view" in src.extra and src.ins:
             src = producer.get(src.ins[0])
         if (src is not None and src.fn is None and src.inst.opcode == "custom-call"
-                and src.inst.attrs.get("custom_call_target") in _STRIDED_RESULT_CALLS):
+                and src.inst.attrs.get("custom_call_target") in _STRIDED_RESULT_CALLS
+                and _is_view(producer.get(src.ins[0]))):
             found.add(k)
     return found
+
+
+def _is_view(op) -> bool:
+    """Whether ``op`` (the producer of the attention's q, or None for a parameter) is a view op: q
+    is then a transposed view of a projection ([B, S, H, D] memory), whose layout the kernels give
+    their output. A q computed by a kernel (a rotary fusion) is row-major [B, H, S, D], and so is
+    the output: its reshape copies either way and keeps its arena view."""
+    return op is not None and "view" in op.extra

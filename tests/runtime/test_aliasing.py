@@ -126,3 +126,25 @@ def test_layout_views_only_follows_attention_results():
                 and t.out not in program.view_slots]
     assert reshapes and all(t.buffer >= 0 for t in reshapes)
     torch.testing.assert_close(compiled(x, w).to_torch().double(), fn(x.double(), w.double()), rtol=1e-4, atol=1e-4)
+
+
+def test_attention_of_a_computed_q_keeps_the_arena_copy():
+    """A q computed by a kernel (here scaled, as rotary embeddings do) is row-major [B, H, S, D], and
+    so is the attention output: its reshape copies anyway and keeps its arena view."""
+    mesh = spmd.Mesh.create({"dp": 1}, "cpu:1")
+
+    def fn(x, wqkv, wo, mask):
+        qkv = x @ wqkv
+        q, k, v = (qkv[..., i * H * D:(i + 1) * H * D].reshape(B, S, H, D).transpose(1, 2) for i in range(3))
+        a = F.scaled_dot_product_attention(torch.tanh(q), k, v, attn_mask=mask)
+        return a.transpose(1, 2).reshape(B, S, H * D) @ wo
+
+    xs = _inputs(4)
+    compiled = spmd.jit(fn, mesh=mesh, in_shardings=(P(),) * 4, out_shardings=P(),
+                        options=spmd.CompileOptions(cuda_graphs=False)).lower(*xs).compile()
+    program = compiled.executable.program
+    reshapes = [t for t in program.thunks if getattr(t, "name", "").startswith("reshape")
+                and t.out not in program.view_slots]
+    assert reshapes and all(t.buffer >= 0 for t in reshapes)
+    torch.testing.assert_close(compiled(*xs).to_torch().double(), fn(*[t.double() for t in xs]),
+                               rtol=1e-4, atol=1e-4)
