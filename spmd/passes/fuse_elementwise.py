@@ -10,7 +10,8 @@ producers (add, multiply, ...) whose users can all fuse them (each consumer reco
 producer, whose own kernel then goes away: a residual add read by a LayerNorm and by the next
 residual add). A recomputed producer takes its own operands as inputs (one level: recomputing
 a chain of residual sums in every layer's norm would read every earlier layer's output). An
-``add`` of a single-use dot and a bias or residual is left to the runtime's addmm. Each group
+``add`` of a single-use dot and a bias or residual is left to the runtime's addmm (but a float32
+bias add read only by fusing ops joins their fusion, see ``_is_addmm_operand``). Each group
 with at least two ops that would launch a kernel becomes::
 
     %fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual), kind=kLoop, calls=%fused_computation
@@ -19,15 +20,19 @@ where ``%fused_computation`` holds the group's instructions on parameters. The r
 (``spmd.runtime.kernels_fusion``) runs the called computation as one generated kernel
 (PyTorch Inductor on CUDA devices), or op by op elsewhere.
 
-Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, constants, iota, reduce
-(add / maximum / minimum) and the custom calls ``gelu``, ``silu``, ``layer-norm``,
-``softmax``. Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, concatenates, pads,
-other custom calls, anything with a tuple shape or no elements, values the lowering folds on
+Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, concatenate (of at most 8
+operands), constants, iota, reduce (add / maximum / minimum) and the custom calls ``gelu``,
+``silu``, ``layer-norm``, ``softmax``. A concatenate launches a kernel of its own when unfused;
+fused, it is a select between its operands per output element (Inductor's pointwise cat: rotary
+embeddings' ``cat(-x2, x1)`` then costs no kernel beside the multiply-adds that read it). Not
+fused: dots (cuBLAS), collectives, gathers, dynamic slices, pads, longer concatenates (collective
+buckets), other custom calls, anything with a tuple shape or no elements, values the lowering folds on
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
 and partition-id) and ops inside called computations. Members of a group share one stream id,
 and the group has at least one operand. An ``add`` of a single-use dot and a broadcast (a
 bias) or a residual of the dot's shape is left to the runtime's addmm peephole (one GEMM that
-accumulates into the other operand).
+accumulates into the other operand), except a float32 bias add whose users all fuse (Inductor's
+choice, ``_is_addmm_operand``).
 
 Example (one device)::
 
@@ -56,6 +61,9 @@ FUSIBLE_CUSTOM_CALLS = frozenset({"gelu", "silu", "layer-norm", "softmax", "rand
 #: Ops that cost no kernel of their own (views or literals): duplicated into a group when shared.
 CHEAP_OPCODES = frozenset({"broadcast", "reshape", "transpose", "slice", "constant", "iota"})
 _FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce"})
+#: A concatenate of more operands (a collective bucket) stays one ATen ``cat`` kernel: Inductor
+#: lowers a longer cat as a copy kernel per operand (``max_pointwise_cat_inputs``).
+MAX_FUSED_CONCAT_OPERANDS = 8
 _REDUCERS = frozenset({"add", "maximum", "minimum"})
 #: Elementwise ops cheap enough to recompute in every consumer fusion (XLA duplicates such
 #: producers when all their users can fuse them, so that the producer's own kernel goes away).
@@ -76,6 +84,8 @@ def is_fusible(inst: Instruction) -> bool:
         return root is not None and root.opcode in _REDUCERS and len(inst.operands) == 2
     if op == "constant":
         return inst.shape.numel == 1
+    if op == "concatenate":  # Inductor's pointwise cat takes up to 8 inputs (else a copy per input)
+        return len(inst.operands) <= MAX_FUSED_CONCAT_OPERANDS
     return op in _FUSIBLE_OPCODES
 
 
@@ -220,17 +230,34 @@ def _duplicable(p: Instruction, users: dict, stream_id: int | None) -> bool:
 
 def _is_addmm_operand(p: Instruction, user: Instruction, users: dict) -> bool:
     """``p`` is an ``add`` of a single-use dot and a bias or a residual (any value of the dot's
-    shape and dtype): the runtime runs it as one addmm (cuBLAS accumulates into C)."""
+    shape and dtype): the runtime runs it as one addmm (cuBLAS accumulates into C).
+
+    Except a float32 bias add (a broadcast operand) whose users all fuse and launch kernels (the residual add before a
+    LayerNorm, a GELU): that bias add goes into their fusion and the dot runs as a plain GEMM, as
+    Inductor does (``unfuse_bias_add_to_pointwise`` in torch/_inductor/fx_passes/post_grad.py;
+    it keeps the fused addmm for 16-bit types): cuBLASLt's bias-epilogue kernels have no split-K
+    for a narrow float32 output with a long contraction (MiniLM's [1024, 1536] x [1536, 384]),
+    which cuBLAS's plain GEMM heuristics pick.
+    """
     if p.opcode != "add" or user is p:
         return False
     for k, o in enumerate(p.operands):
         other = p.operands[1 - k]
         if o.opcode != "dot" or len(users.get(o, ())) != 1:
             continue
+        if other.opcode == "broadcast" and _bias_fuses_downstream(p, users):
+            return False
         if other.opcode in CHEAP_OPCODES | {"parameter"} or (
                 other.shape.dims == o.shape.dims and other.shape.dtype == o.shape.dtype == p.shape.dtype):
             return True
     return False
+
+
+def _bias_fuses_downstream(p: Instruction, users: dict) -> bool:
+    """A float32 ``add`` whose users are all fusible ops that launch kernels (see ``_is_addmm_operand``)."""
+    us = users.get(p, ())
+    return (p.shape.dtype == "f32" and bool(us)
+            and all(is_fusible(u) and launches_kernel(u) and u.stream_id == p.stream_id for u in us))
 
 
 def _program_order(root: Instruction, inside: set[int]) -> list[Instruction]:
