@@ -91,6 +91,13 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(0, -4) if t.dim() > 4 else t
 
 
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as is when its last dim is dense (stride 1, what every fused kernel needs: the other
+    strides are free, so transposed views of a projection's output go in without a copy), else a
+    contiguous copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 def _bias(mask: torch.Tensor | None, q4: torch.Tensor, k4: torch.Tensor, lead) -> torch.Tensor | None:
     """The mask as an additive bias ``[B, H, Sq, Sk]`` in q's dtype (bool False -> -inf)."""
     if mask is None:
@@ -212,7 +219,7 @@ def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.T
     q, k, v = operands[:3]
     mask = operands[3] if config.get("has_mask", len(operands) > 3) else None
     lead = q.shape[:-2]
-    q4, k4, v4 = (_as4d(t).contiguous() for t in (q, k, v))
+    q4, k4, v4 = (_dense_last(_as4d(t)) for t in (q, k, v))
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])
@@ -266,11 +273,11 @@ def attention_backward(operands: list[torch.Tensor], config: Config, out: torch.
     q, k, v, packed, do = operands[:5]
     mask = operands[5] if config.get("has_mask", len(operands) > 5) else None
     lead, dv_size = q.shape[:-2], v.shape[-1]
-    q4, k4, v4 = (_as4d(t).contiguous() for t in (q, k, v))
+    q4, k4, v4 = (_dense_last(_as4d(t)) for t in (q, k, v))
     p4 = _as4d(packed)
-    attn = p4[..., :dv_size].contiguous()
+    attn = _dense_last(p4[..., :dv_size])  # the kernels read o with its row stride Dv + c: no copy
     lse = p4[..., dv_size:].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
-    do4 = _as4d(do).contiguous().to(q.dtype)
+    do4 = _dense_last(_as4d(do)).to(q.dtype)
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])
