@@ -20,9 +20,13 @@ where ``%fused_computation`` holds the group's instructions on parameters. The r
 (PyTorch Inductor on CUDA devices), or op by op elsewhere.
 
 Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, constants, iota, reduce
-(add / maximum / minimum) and the custom calls ``gelu``, ``silu``, ``layer-norm``,
-``softmax``. Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, concatenates, pads,
-other custom calls, anything with a tuple shape or no elements, values the lowering folds on
+(add / maximum / minimum), ``concatenate`` (as a producer inside a consumer's group only: a
+bucket of gradients concatenated for one all-reduce is no group root) and ``pad`` without
+interior or negative padding (each output element is one operand element or the fill value:
+rotary embeddings' ``rotate_half`` concatenates, and its backward, the pads ``simplify``
+makes of a ``slice_scatter`` into zeros; XLA's loop fusion takes both too) and the custom calls ``gelu``,
+``silu``, ``layer-norm``, ``softmax``. Not fused: dots (cuBLAS), collectives, gathers, dynamic
+slices, other pads, other custom calls, anything with a tuple shape or no elements, values the lowering folds on
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
 and partition-id) and ops inside called computations. Members of a group share one stream id,
 and the group has at least one operand. An ``add`` of a single-use dot and a broadcast (a
@@ -55,7 +59,8 @@ from spmd.passes.folding import folded_instructions
 FUSIBLE_CUSTOM_CALLS = frozenset({"gelu", "silu", "layer-norm", "softmax", "random"})
 #: Ops that cost no kernel of their own (views or literals): duplicated into a group when shared.
 CHEAP_OPCODES = frozenset({"broadcast", "reshape", "transpose", "slice", "constant", "iota"})
-_FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce"})
+_FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce", "concatenate"})
+_NO_ROOT_OPCODES = CHEAP_OPCODES | frozenset({"concatenate"})  # fused into a consumer's group only
 _REDUCERS = frozenset({"add", "maximum", "minimum"})
 #: Elementwise ops cheap enough to recompute in every consumer fusion (XLA duplicates such
 #: producers when all their users can fuse them, so that the producer's own kernel goes away).
@@ -76,6 +81,8 @@ def is_fusible(inst: Instruction) -> bool:
         return root is not None and root.opcode in _REDUCERS and len(inst.operands) == 2
     if op == "constant":
         return inst.shape.numel == 1
+    if op == "pad":
+        return all(lo >= 0 and hi >= 0 and interior == 0 for lo, hi, interior in inst.attrs["padding"])
     return op in _FUSIBLE_OPCODES
 
 
@@ -109,7 +116,7 @@ class FuseElementwise:
         taken: set[int] = set(folded_instructions(comp))  # the lowering computes these on the host
         groups: list[_Group] = []
         for inst in reversed(comp.instructions):
-            if id(inst) in taken or not is_fusible(inst) or inst.opcode in CHEAP_OPCODES:
+            if id(inst) in taken or not is_fusible(inst) or inst.opcode in _NO_ROOT_OPCODES:
                 continue
             if (not users[inst] and inst is not comp.root) or _is_addmm_operand(inst, None, users):
                 continue  # dead (every user recomputes it), or left for the addmm peephole

@@ -243,6 +243,44 @@ def test_partition_id_arithmetic_of_a_windowed_einsum_is_left_to_the_lowering(mo
     assert len(fusions(fuse(text)[1])) == 2
 
 
+def test_pads_of_a_slice_backward_fuse_into_their_consumer():
+    """rotate_half's backward after simplify: two edge pads and their sum are one fusion; a pad with
+    interior or negative padding stays a kernel of its own."""
+    text = module(["a: f32[2,4]", "b: f32[2,4]", "c: f32[2,8]"],
+                  ["%z = f32[] constant(0)",
+                   "%n = f32[2,4] negate(%a)",
+                   "%lo = f32[2,8] pad(%n, %z), padding=0_0_0x0_4_0",
+                   "%hi = f32[2,8] pad(%b, %z), padding=0_0_0x4_0_0",
+                   "%s = f32[2,8] add(%lo, %hi)",
+                   "ROOT %m = f32[2,8] multiply(%s, %c)"], "f32[2,8]")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode not in ("parameter", "constant")] == ["fusion"]
+    assert sum(i.opcode == "pad" for i in fusions(mod)[0].attrs["calls"].instructions) == 2
+    crop = module(["a: f32[2,4]", "c: f32[2,3]"],
+                  ["%z = f32[] constant(0)", "%n = f32[2,4] negate(%a)",
+                   "%p = f32[2,3] pad(%n, %z), padding=0_0_0x0_-1_0",
+                   "ROOT %m = f32[2,3] multiply(%p, %c)"], "f32[2,3]")
+    assert [i.opcode for i in fuse(crop)[1].entry.instructions if i.opcode not in ("parameter", "constant")] == [
+        "negate", "pad", "multiply"]
+
+
+def test_rotate_half_concatenate_fuses_into_the_rotary_embedding():
+    """q * cos + cat(-q2, q1) * sin (rotary embeddings) is one fusion: the concatenate and the
+    negate no longer run as kernels of their own."""
+    text = module(["q: f32[2,8]", "cos: f32[2,8]", "sin: f32[2,8]"],
+                  ["%q1 = f32[2,4] slice(%q), slice={[0:2:1], [0:4:1]}",
+                   "%q2 = f32[2,4] slice(%q), slice={[0:2:1], [4:8:1]}",
+                   "%n = f32[2,4] negate(%q2)",
+                   "%rot = f32[2,8] concatenate(%n, %q1), dimensions={1}",
+                   "%a = f32[2,8] multiply(%q, %cos)",
+                   "%b = f32[2,8] multiply(%rot, %sin)",
+                   "ROOT %r = f32[2,8] add(%a, %b)"], "f32[2,8]")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["fusion"]
+    body = {i.opcode for i in fusions(mod)[0].attrs["calls"].instructions}
+    assert {"concatenate", "negate", "slice"} <= body
+
+
 def test_disabled_pass_and_unpartitioned_module():
     assert fuse(AFTER_ALL_REDUCE, enabled=False)[0] == AFTER_ALL_REDUCE
     with pytest.raises(ValueError, match="not partitioned"):

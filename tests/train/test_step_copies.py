@@ -72,6 +72,29 @@ def test_attention_operands_are_not_copied(lowered):
     assert fed == []
 
 
+def test_rotary_backward_updates_are_fused_pads(lowered):
+    """rotate_half's backward (``slice_scatter`` into zeros, for q and k) runs inside the rotary
+    backward fusions as pads; before, each of the 4 updates per layer copied a zero buffer and
+    wrote half of it in place (two copy kernels each)."""
+    insts, kernels = lowered
+    assert [i.name for i in _copies(insts, kernels, {"dynamic-update-slice", "pad"})] == []
+    fused_pads = [j for i in insts.values() if i.opcode == "fusion" for j in i.attrs["calls"].instructions
+                  if j.opcode == "pad"]
+    assert len(fused_pads) == 4 * LAYERS
+
+
+def test_rotate_half_runs_inside_the_rotary_fusions(lowered):
+    """The forward's rotate_half (``cat(-x2, x1)`` for q and k) is fused into the rotary embedding;
+    before, each was a concatenate kernel after a negate kernel (2 of each per layer)."""
+    insts, kernels = lowered
+    alone = [insts[t.name].opcode for t in kernels if t.name in insts
+             and insts[t.name].opcode in ("concatenate", "negate")]
+    assert alone == []
+    fused = [j for i in insts.values() if i.opcode == "fusion" for j in i.attrs["calls"].instructions
+             if j.opcode == "concatenate"]
+    assert len(fused) == 2 * LAYERS
+
+
 def test_one_device_step_matches_torch_optim():
     """float32: per-step loss within 1e-5 relative and final parameters within 1e-4 of PyTorch
     eager with ``torch.optim.AdamW`` (same init, same batches)."""
