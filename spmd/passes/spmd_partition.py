@@ -82,6 +82,7 @@ class _Partitioner:
         self.mesh = out.mesh
         self.values: dict[int, tuple[Instruction, object]] = {}
         self.reshards: dict[tuple, Instruction] = {}
+        self.widened: dict[int, tuple[Instruction, TensorSharding]] = {}  # 16-bit dot -> its float32 sum
 
     def run(self) -> None:
         for inst in self.src.instructions:
@@ -180,7 +181,23 @@ class _Partitioner:
         want = normalize(inst.sharding, self.mesh) if inst.sharding is not None else partial
         full = want.with_partial(())
         summed = self._reshard(local, partial, full, inst)
+        self.widened[id(inst)] = (summed, full)
         return self.em.emit("convert", summed.shape.with_dtype(inst.shape.dtype), [summed], sharding=full), full
+
+    def _add(self, inst: Instruction, ops, p: Plan):
+        """The bias add of a linear / addmm / baddbmm whose 16-bit dot was summed in float32 is added
+        in float32 too and rounded once, as ATen adds the bias in the GEMM's float32 epilogue."""
+        k = next((k for k, o in enumerate(inst.operands) if id(o) in self.widened and _bias_add(o, inst)), None)
+        if k is None or p.result.partial or any(s.partial for s in p.operands):
+            return self._generic(inst, ops, p)
+        summed, sharding = self.widened[id(inst.operands[k])]
+        wide = list(ops)
+        wide[k] = self._reshard(summed, sharding, p.operands[k], inst.operands[k])
+        wide[1 - k] = self.em.emit("convert", ops[1 - k].shape.with_dtype("f32"), [ops[1 - k]],
+                                   sharding=p.operands[1 - k])
+        f32 = Instruction(inst.name, "add", inst.shape.with_dtype("f32"), (), {}, location=inst.location)
+        local = self._emit_local(f32, wide, p.result)
+        return self.em.emit("convert", local.shape.with_dtype(inst.shape.dtype), [local], sharding=p.result), p.result
 
     def _reduce(self, inst: Instruction, ops, p: Plan):
         kind = reduce_kind(inst)
@@ -225,6 +242,15 @@ class _Partitioner:
         return self._emit_local(inst, ops, p.result, attrs), p.result
 
 
+_BIAS_OPS = frozenset({"aten.linear.default", "aten.addmm.default", "aten.baddbmm.default"})
+
+
+def _bias_add(dot: Instruction, add: Instruction) -> bool:
+    """Whether ``add`` adds the bias of the same ATen linear / addmm / baddbmm call as ``dot``."""
+    loc = dot.location
+    return loc is not None and loc.op_name in _BIAS_OPS and add.location == loc
+
+
 def _is_constant(inst: Instruction, value) -> bool:
     """Whether ``inst`` is a scalar constant equal to ``value``."""
     if inst.opcode != "constant":
@@ -237,6 +263,7 @@ _HANDLERS = {
     "iota": partition_iota,
     "custom-call": partition_custom_call,
     "dot": _Partitioner._dot,
+    "add": _Partitioner._add,
     "reduce": _Partitioner._reduce,
     "gather": partition_gather,
     "scatter": partition_scatter,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from spmd.ir.hlo import ELEMENTWISE_OPCODES
+from spmd.runtime import kernels_gemv
 
 # Opcodes whose kernel result is fresh memory (never a view or an operand): safe to write into.
 FRESH_OPCODES = (ELEMENTWISE_OPCODES - {"convert"}) | {"dot", "dynamic-update-slice", "concatenate", "fusion"}
@@ -349,7 +350,10 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
         dims = (*a.shape[:-1], b.shape[-1])
         a, c = a.reshape(-1, a.shape[-1]), c.reshape(-1, c.shape[-1])
         if in_place:
-            out.view(-1, out.shape[-1]).addmm_(a, b)
+            o = out.view(-1, out.shape[-1])
+            if a.shape[0] == 1 and (w := kernels_gemv.as_weight(b)) is not None and kernels_gemv.gemv(a, w, o, True):
+                return out
+            o.addmm_(a, b)
             return out
         if c.stride(0) == 0:
             c = c[0]

@@ -155,6 +155,22 @@ def test_a_16bit_dot_over_a_sharded_contraction_rounds_once(devices, dtype):
         assert (y != want).float().mean() < 0.02, (y != want).float().mean()
 
 
+@pytest.mark.parametrize("windowed_einsum", ["off", "on"])
+def test_a_16bit_linear_with_bias_over_a_sharded_contraction_rounds_once(windowed_einsum):
+    """ATen adds a linear layer's bias in the GEMM's float32 epilogue: the bias joins the float32
+    sum of the partial products and the result rounds once (random tester seed 0 #360: a threshold
+    on a reduce-scattered bf16 linear flipped when the bias was added after rounding)."""
+    mesh = Mesh.create(("tp",), devices="cpu:2")
+    g = torch.Generator().manual_seed(36)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((16, 3, 64), (16, 64), (16,)))
+    opts = spmd.CompileOptions(windowed_einsum=windowed_einsum, fuse_elementwise=False)
+    f = spmd.jit(F.linear, mesh=mesh, in_shardings=(P(None, None, "tp"), P(None, "tp"), None),
+                 out_shardings=P(None, None, "tp"), options=opts)
+    got, want = f(x, w, b).to_torch(), (x.float() @ w.float().T + b.float()).bfloat16()
+    assert (got != want).float().mean() < 0.02
+    assert "f32[16,3,8] add(" in f.lower(x, w, b).as_text("spmd-partition") or windowed_einsum == "on"
+
+
 def test_a_16bit_dot_over_a_mesh_axis_of_one_device_stays_16_bit():
     """Nothing is summed over a 1-device axis: the dot stays one bf16 GEMM (no float32 result, no convert)."""
     mesh = Mesh.create({"dp": 2, "tp": 1}, devices="cpu:2")

@@ -150,8 +150,8 @@ def test_dot_bf16_to_f32_result():
     a, b = f32(4, 8).bfloat16(), f32(8, 3).bfloat16()
     i = inst("dot", Shape("f32", (4, 3)), [param(a), param(b, 1)], lhs_contracting_dims=(1,), rhs_contracting_dims=(0,))
     r = run_both(i, [a, b])
-    assert r.dtype == torch.float32
-    torch.testing.assert_close(r, (a @ b).float())
+    assert r.dtype == torch.float32  # accumulated in float32, not rounded to bf16 first
+    torch.testing.assert_close(r, a.float() @ b.float())
 
 
 def _scalar_comp(opcode: str) -> Computation:
