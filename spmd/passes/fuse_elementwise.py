@@ -6,12 +6,14 @@ full pass over memory plus a launch. This pass groups them as XLA's loop fusion 
 (xla/service/instruction_fusion.cc, "kLoop" fusions): a consumer absorbs its producers when
 every user of the producer is in the group, and duplicates cheap producers (broadcast, reshape,
 transpose, slice, scalar constants, iota) that have other users, as well as cheap elementwise
-producers (add, multiply, ...) whose users can all fuse them (each consumer recomputes the
-producer, whose own kernel then goes away: a residual add read by a LayerNorm and by the next
-residual add). A recomputed producer takes its own operands as inputs (one level: recomputing
+producers (add, multiply, ..., and the activations silu and gelu) whose users can all fuse
+them (each consumer recomputes the producer, whose own kernel then goes away: a residual add
+read by a LayerNorm and by the next residual add; SwiGLU's silu(gate) read by the forward's
+product and by the backward). A recomputed producer takes its own operands as inputs (one level: recomputing
 a chain of residual sums in every layer's norm would read every earlier layer's output). An
-``add`` of a single-use dot and a bias or residual is left to the runtime's addmm. Each group
-with at least two ops that would launch a kernel becomes::
+``add`` of a single-use dot and a bias or residual is left to the runtime's addmm. A fusion
+whose only user is a transpose absorbs it (``absorb_transposes``: the kernel writes the
+transposed order). Each group with at least two ops that would launch a kernel becomes::
 
     %fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual), kind=kLoop, calls=%fused_computation
 
@@ -66,6 +68,10 @@ _REDUCERS = frozenset({"add", "maximum", "minimum"})
 #: producers when all their users can fuse them, so that the producer's own kernel goes away).
 DUPLICABLE_OPCODES = frozenset({"add", "subtract", "multiply", "negate", "maximum", "minimum", "select",
                                 "compare", "convert", "abs"})
+#: Custom calls recomputed the same way: an activation whose value the forward's gated product and
+#: the backward both read (SwiGLU's silu(gate)) is recomputed in both fusions instead of being
+#: a kernel whose result is stored and read twice (Inductor recomputes it as well).
+DUPLICABLE_CUSTOM_CALLS = frozenset({"silu", "gelu"})
 FUSED_COMPUTATION = "fused_computation"
 
 
@@ -128,12 +134,55 @@ class FuseElementwise:
         builder = Builder(module, comp)
         for group in groups:
             _outline(module, builder, comp, group)
+        if groups and absorb_transposes(module, builder, comp):
+            _drop_unused_computations(module)
         if groups:
             comp.remove_dead()
             # equal chains (each layer's position arithmetic, say) became equal fusions: keep one
             cse_computation(comp, merge_scalar_broadcasts=True, structural_calls=True)
             _drop_unused_computations(module)
         return module
+
+
+def absorb_transposes(module: Module, builder: Builder, comp: Computation) -> int:
+    """A fusion whose only user is a transpose computes the transposed value itself; the number absorbed.
+
+    The fused kernel then writes its result in the transposed order (one generated kernel,
+    any output order), so readers that need the transposed value row-major, as a reshape that
+    merges the transposed dims (the [B, H, S, D] -> [B*S, H*D] of attention's dq / dk after the
+    rotary backward), read it as a view instead of a copy. Output values are left alone.
+    """
+    users, outputs = comp.users(), _output_ids(comp)
+    done = 0
+    for t in list(comp.instructions):
+        f = t.operands[0] if t.opcode == "transpose" else None
+        if (f is None or f.opcode != "fusion" or users.get(f) != [t] or id(t) in outputs or id(f) in outputs
+                or f.stream_id != t.stream_id):
+            continue
+        old = f.attrs["calls"]
+        body = Builder.new_computation(module, FUSED_COMPUTATION)
+        clones: dict[int, Instruction] = {}
+        for i in old.instructions:
+            if i.opcode == "parameter":
+                clones[id(i)] = body.param(i.shape, name=i.name, number=i.attrs["parameter_number"])
+            else:
+                clones[id(i)] = body.add(i.opcode, [clones[id(o)] for o in i.operands], i.attrs, shape=i.shape,
+                                         name=i.name, location=i.location)
+        body.set_root(body.add("transpose", [clones[id(old.root)]], {"dimensions": t.attrs["dimensions"]},
+                               shape=t.shape, name=t.name, location=t.location))
+        with builder.insert_before(t):
+            new = builder.add("fusion", list(f.operands), dict(f.attrs, calls=body.computation), shape=t.shape,
+                              name="fusion", sharding=t.sharding, stream_id=t.stream_id, location=f.location)
+        comp.replace_all_uses(t, new)
+        comp.instructions = [i for i in comp.instructions if i is not t and i is not f]
+        users = comp.users()
+        done += 1
+    return done
+
+
+def _output_ids(comp: Computation) -> set[int]:
+    root = comp.root
+    return {id(root), *(id(o) for o in root.operands)} if root.opcode == "tuple" else {id(root)}
 
 
 def _drop_unused_computations(module: Module) -> None:
@@ -221,8 +270,9 @@ def _retire(group: _Group, users: dict, entry_root: Instruction) -> None:
 
 def _duplicable(p: Instruction, users: dict, stream_id: int | None) -> bool:
     """A cheap elementwise producer whose every user may fuse it: recomputed in each consumer."""
-    return p.opcode in DUPLICABLE_OPCODES and all(is_fusible(u) and u.stream_id == stream_id
-                                                   for u in users[p])
+    cheap = p.opcode in DUPLICABLE_OPCODES or (p.opcode == "custom-call"
+                                               and p.attrs.get("custom_call_target") in DUPLICABLE_CUSTOM_CALLS)
+    return cheap and all(is_fusible(u) and u.stream_id == stream_id for u in users[p])
 
 
 def _is_addmm_operand(p: Instruction, user: Instruction, users: dict) -> bool:

@@ -281,6 +281,40 @@ def test_rotate_half_concatenate_fuses_into_the_rotary_embedding():
     assert {"concatenate", "negate", "slice"} <= body
 
 
+def test_a_fusion_read_only_by_a_transpose_writes_the_transposed_order():
+    """The transposed value feeds a reshape that merges the transposed dims (a copy as a transpose
+    of a row-major value); computed by the fusion, the reshape is a view. A fusion with another
+    user keeps its order."""
+    text = module(["a: f32[2,3,4]", "b: f32[2,3,4]", "w: f32[4,5]"],
+                  ["%m = f32[2,3,4] multiply(%a, %b)",
+                   "%e = f32[2,3,4] exponential(%m)",
+                   "%t = f32[3,2,4] transpose(%e), dimensions={1,0,2}",
+                   "%r = f32[6,4] reshape(%t)",
+                   f"ROOT %d = f32[6,5] dot(%r, %w), {DOT}"], "f32[6,5]")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["fusion", "reshape", "dot"]
+    (f,) = fusions(mod)
+    assert f.shape.dims == (3, 2, 4) and f.attrs["calls"].root.opcode == "transpose"
+    shared = text.replace(f"ROOT %d = f32[6,5] dot(%r, %w), {DOT}",
+                          f"%d = f32[6,5] dot(%r, %w), {DOT}\n  ROOT %out = (f32[6,5], f32[2,3,4]) tuple(%d, %e)")
+    shared = shared.replace("-> f32[6,5]", "-> (f32[6,5], f32[2,3,4])")
+    _, mod = fuse(shared)
+    assert [f.shape.dims for f in fusions(mod)] == [(2, 3, 4)]
+    assert "transpose" in [i.opcode for i in mod.entry.instructions]
+
+
+def test_silu_read_by_two_products_is_recomputed_in_both():
+    """SwiGLU: silu(gate) * up in the forward, dout * silu(gate) in the backward: two fusions, no
+    silu kernel (it was one silu and two multiplies)."""
+    text = module(["g: f32[4,8]", "u: f32[4,8]", "d: f32[4,8]"],
+                  ['%s = f32[4,8] custom-call(%g), custom_call_target="silu"',
+                   "%p = f32[4,8] multiply(%s, %u)",
+                   "%q = f32[4,8] multiply(%d, %s)",
+                   "ROOT %out = (f32[4,8], f32[4,8]) tuple(%p, %q)"], "(f32[4,8], f32[4,8])")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["fusion", "fusion", "tuple"]
+
+
 def test_disabled_pass_and_unpartitioned_module():
     assert fuse(AFTER_ALL_REDUCE, enabled=False)[0] == AFTER_ALL_REDUCE
     with pytest.raises(ValueError, match="not partitioned"):

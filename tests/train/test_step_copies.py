@@ -95,6 +95,32 @@ def test_rotate_half_runs_inside_the_rotary_fusions(lowered):
     assert len(fused) == 2 * LAYERS
 
 
+def _source(inst):
+    """The first instruction below ``inst`` that is not a layout op."""
+    while inst.opcode in ("reshape", "transpose", "slice", "broadcast"):
+        inst = inst.operands[0]
+    return inst
+
+
+def test_only_the_attention_results_relayout_is_copied(lowered):
+    """The copy kernels left, per layer: the attention output and dv, [B, H, S, D] slices of the
+    attention calls' packed results, to [B*S, H*D] for the projections. Before, dq and dk (the
+    rotary backward fusions' [B, H, S, D] results) were copied to that layout as well."""
+    insts, kernels = lowered
+    copies = _copies(insts, kernels)
+    got = sorted((c.opcode, _source(c).attrs.get("custom_call_target")) for c in copies)
+    assert got == [("reshape", "attention-backward")] * LAYERS + [("reshape", "attention-forward")] * LAYERS
+
+
+def test_silu_is_recomputed_inside_the_gated_products(lowered):
+    """SwiGLU's silu(gate) has no kernel of its own: the forward's silu(gate) * up and the backward's
+    dout * silu(gate) fusions recompute it (before: one silu kernel and two lone multiplies per layer)."""
+    insts, kernels = lowered
+    alone = [insts[t.name] for t in kernels if t.name in insts]
+    assert [i.name for i in alone if i.opcode == "custom-call" and i.attrs.get("custom_call_target") == "silu"] == []
+    assert [i.name for i in alone if i.opcode == "multiply"] == []
+
+
 def test_one_device_step_matches_torch_optim():
     """float32: per-step loss within 1e-5 relative and final parameters within 1e-4 of PyTorch
     eager with ``torch.optim.AdamW`` (same init, same batches)."""
