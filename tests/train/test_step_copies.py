@@ -121,6 +121,22 @@ def test_silu_is_recomputed_inside_the_gated_products(lowered):
     assert [i.name for i in alone if i.opcode == "multiply"] == []
 
 
+def test_residual_adds_of_projections_run_as_addmm(lowered):
+    """The residual adds after o_proj and down_proj and the sum of the k / v input gradients read
+    their dot through a [B*S, D] -> [B, S, D] view and run inside it as addmm. Left as a kernel:
+    the residual-gradient sum at each layer boundary (two fusions' results)."""
+    insts, kernels = lowered
+    adds = [insts[t.name] for t in kernels if t.name in insts and insts[t.name].opcode == "add"
+            and insts[t.name].shape.rank > 0 and not any(o.opcode == "reshape" for o in insts[t.name].operands)]
+    fused = [insts[t.name] for t in kernels if t.name in insts and insts[t.name].opcode == "add"
+             and any(o.opcode == "reshape" and o.operands[0].opcode == "dot" for o in insts[t.name].operands)]
+    assert len(adds) == LAYERS - 1
+    assert all(len(t.ins) == 3 for t in kernels if t.name in {a.name for a in fused})  # C, A, B
+    # forward: after o_proj and down_proj of each layer, but the last down_proj's, which joins the
+    # loss fusion; backward: the k / v input-gradient sum of every layer but the first (no dx there)
+    assert len(fused) == (2 * LAYERS - 1) + (LAYERS - 1)
+
+
 def test_one_device_step_matches_torch_optim():
     """float32: per-step loss within 1e-5 relative and final parameters within 1e-4 of PyTorch
     eager with ``torch.optim.AdamW`` (same init, same batches)."""
