@@ -272,7 +272,19 @@ def _duplicable(p: Instruction, users: dict, stream_id: int | None) -> bool:
     """A cheap elementwise producer whose every user may fuse it: recomputed in each consumer."""
     cheap = p.opcode in DUPLICABLE_OPCODES or (p.opcode == "custom-call"
                                                and p.attrs.get("custom_call_target") in DUPLICABLE_CUSTOM_CALLS)
-    return cheap and all(is_fusible(u) and u.stream_id == stream_id for u in users[p])
+    return cheap and all(_takes_producer(u, users, stream_id) for u in users[p])
+
+
+def _takes_producer(u: Instruction, users: dict, stream_id: int | None, depth: int = 0) -> bool:
+    """Whether ``u`` can recompute a producer inside a fusion: a fusible kernel on the stream, or a
+    view-like op (no group root of its own) whose users all can. A reshape that only dots read
+    cannot: the producer would keep its own kernel for it, and recomputing it elsewhere would
+    only cut the chain below it off into a fusion of its own."""
+    if not is_fusible(u) or u.stream_id != stream_id:
+        return False
+    if u.opcode not in _NO_ROOT_OPCODES:
+        return True
+    return depth < 4 and all(_takes_producer(w, users, stream_id, depth + 1) for w in users.get(u, ()))
 
 
 def _is_addmm_operand(p: Instruction, user: Instruction, users: dict) -> bool:

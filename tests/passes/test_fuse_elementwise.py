@@ -315,6 +315,26 @@ def test_silu_read_by_two_products_is_recomputed_in_both():
     assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["fusion", "fusion", "tuple"]
 
 
+def test_a_producer_also_read_through_a_reshape_by_a_dot_is_not_recomputed():
+    """The residual-gradient sum of a layer boundary: g = a + norm_backward(...) is read by a dot
+    (through a reshape) and by the next residual sum. Recomputing g in that sum would leave g's
+    own kernel for the dot and cut the norm backward off into a fusion of its own; instead g
+    roots one fusion with it, which the next sum reads."""
+    text = module(["a: f32[4,8]", "b: f32[4,8]", "c: f32[4,8]", "w: f32[8,8]"],
+                  ["%t = f32[4,8] tanh(%b)",
+                   "%e = f32[4,8] exponential(%t)",
+                   "%g = f32[4,8] add(%a, %e)",
+                   "%r = f32[4,8] reshape(%g)",
+                   f"%d = f32[4,8] dot(%r, %w), {DOT}",
+                   "%n = f32[4,8] multiply(%g, %c)",
+                   "ROOT %out = (f32[4,8], f32[4,8]) tuple(%d, %n)"], "(f32[4,8], f32[4,8])")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == [
+        "fusion", "reshape", "dot", "multiply", "tuple"]
+    assert [i.opcode for i in fusions(mod)[0].attrs["calls"].instructions if i.opcode != "parameter"] == [
+        "tanh", "exponential", "add"]
+
+
 def test_disabled_pass_and_unpartitioned_module():
     assert fuse(AFTER_ALL_REDUCE, enabled=False)[0] == AFTER_ALL_REDUCE
     with pytest.raises(ValueError, match="not partitioned"):

@@ -123,18 +123,28 @@ def test_silu_is_recomputed_inside_the_gated_products(lowered):
 
 def test_residual_adds_of_projections_run_as_addmm(lowered):
     """The residual adds after o_proj and down_proj and the sum of the k / v input gradients read
-    their dot through a [B*S, D] -> [B, S, D] view and run inside it as addmm. Left as a kernel:
-    the residual-gradient sum at each layer boundary (two fusions' results)."""
+    their dot through a [B*S, D] -> [B, S, D] view and run inside it as addmm; the residual-gradient
+    sum at a layer boundary is the root of the norm backward's fusion. No add runs alone (before:
+    5 in this program)."""
     insts, kernels = lowered
     adds = [insts[t.name] for t in kernels if t.name in insts and insts[t.name].opcode == "add"
             and insts[t.name].shape.rank > 0 and not any(o.opcode == "reshape" for o in insts[t.name].operands)]
     fused = [insts[t.name] for t in kernels if t.name in insts and insts[t.name].opcode == "add"
              and any(o.opcode == "reshape" and o.operands[0].opcode == "dot" for o in insts[t.name].operands)]
-    assert len(adds) == LAYERS - 1
+    assert adds == []
     assert all(len(t.ins) == 3 for t in kernels if t.name in {a.name for a in fused})  # C, A, B
     # forward: after o_proj and down_proj of each layer, but the last down_proj's, which joins the
     # loss fusion; backward: the k / v input-gradient sum of every layer but the first (no dx there)
     assert len(fused) == (2 * LAYERS - 1) + (LAYERS - 1)
+
+
+def test_loss_gradient_is_converted_inside_its_fusion(lowered):
+    """The bfloat16 gradient of the loss (read by the last layer's dots and by the residual-gradient
+    sum) is the result of the loss-gradient fusion; before, the residual sum's fusion recomputed
+    it and a convert kernel of its own made it for the dots."""
+    insts, kernels = lowered
+    converts = [insts[t.name] for t in kernels if t.name in insts and insts[t.name].opcode == "convert"]
+    assert [c.shape.dtype for c in converts] == ["f32"]  # left: the batch target to float32 for the loss
 
 
 def test_one_device_step_matches_torch_optim():
