@@ -258,7 +258,8 @@ def run_row(row: Row, args, device, limits: dict[str, dict[str, float]], log: Ca
 
 def profile_kernels(calls: dict[str, Callable]) -> dict[str, Any]:
     """Per variant, the kernels of one call (``benchmarks.gpu_kernels``): count, busy µs split into
-    GEMM/attention and other, and the longest kernels; a failed profile is its error text."""
+    GEMM/attention and other, and the 40 longest kernel names (the whole list of a one-GPU row: the
+    printed lines show 4, ``one_gpu_results.json`` keeps all); a failed profile is its error text."""
     from dataclasses import asdict
 
     from benchmarks.gpu_kernels import kernel_summary
@@ -266,7 +267,7 @@ def profile_kernels(calls: dict[str, Callable]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, call in calls.items():
         try:
-            out[name] = [asdict(d) for d in kernel_summary(call)]
+            out[name] = [asdict(d) for d in kernel_summary(call, top=40)]
         except Exception as exc:
             out[name] = f"{type(exc).__name__}: {exc}"[:200]
     return out

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd import metrics
+from spmd.compile_lock import CAPTURE_LOCK
 from spmd.ir.hlo import hlo_dtype
 from spmd.ir.sharding import unshard_tensors
 from spmd.sharding import NamedSharding
@@ -197,7 +198,8 @@ class ShardedArray:
             if event is not None:
                 event.synchronize()
             elif mesh.platform == "cuda":
-                torch.cuda.synchronize(index)
+                with CAPTURE_LOCK:  # not while another thread captures a CUDA graph (it would fail)
+                    torch.cuda.synchronize(index)
         _WAIT.record(time.perf_counter() - start)
         return self
 

@@ -11,6 +11,13 @@ never takes the lock.
 
 The lock is re-entrant: a compilation that compiles another program (a reshard inside a
 call) on the same thread does not deadlock.
+
+``CAPTURE_LOCK`` is held while a CUDA graph is captured and around every device-wide
+synchronisation the runtime makes (``ShardedArray.block_until_ready`` of replayed outputs,
+the graph backend's ``synchronize``): a ``cudaDeviceSynchronize`` from one thread while another
+thread captures fails ("operation not permitted when stream is capturing") and invalidates the
+capture, so the two never overlap (a first call from several threads at once: one captures
+while another waits for its own results). Taken after ``COMPILE_LOCK`` where both are held.
 """
 
 from __future__ import annotations
@@ -18,3 +25,4 @@ from __future__ import annotations
 import threading
 
 COMPILE_LOCK = threading.RLock()
+CAPTURE_LOCK = threading.RLock()

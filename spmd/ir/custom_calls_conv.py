@@ -32,12 +32,23 @@ def conv1d_out_length(length: int, kernel: int, config: dict[str, Any]) -> int:
 
 
 def _conv1d(operands: list[torch.Tensor], config: dict[str, Any]) -> torch.Tensor:
-    """``F.conv1d(x, weight)`` with config's stride, padding, dilation and groups (no bias)."""
+    """``F.conv1d(x, weight)`` with config's stride, padding, dilation and groups (no bias).
+
+    A float32 convolution on CUDA runs without TF32 (cuDNN's default allows it, and picks it by
+    shape and layout, so the same convolution rounded to 10-bit mantissas or not depending on how
+    its operands were laid out: a [2, 12, 1] conv1d differed from eager by 3e-4 on an H200), as the
+    float32 dot kernels run: full float32 precision everywhere.
+    """
     x, w = operands
     padding = config.get("padding", 0)
-    return F.conv1d(x, w, None, stride=int(config.get("stride", 1)),
-                    padding=padding if isinstance(padding, str) else int(padding),
-                    dilation=int(config.get("dilation", 1)), groups=int(config.get("groups", 1)))
+    args = dict(stride=int(config.get("stride", 1)), padding=padding if isinstance(padding, str) else int(padding),
+                dilation=int(config.get("dilation", 1)), groups=int(config.get("groups", 1)))
+    if x.is_cuda and x.dtype == torch.float32:
+        cudnn = torch.backends.cudnn
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                         allow_tf32=False):
+            return F.conv1d(x, w, None, **args)
+    return F.conv1d(x, w, None, **args)
 
 
 #: (target, kernel, sharding-rule kind, unsharded dims, doc): ``spmd.ir.custom_calls`` builds the spec.

@@ -11,7 +11,8 @@ them (each consumer recomputes the producer, whose own kernel then goes away: a 
 read by a LayerNorm and by the next residual add; SwiGLU's silu(gate) read by the forward's
 product and by the backward). A recomputed producer takes its own operands as inputs (one level: recomputing
 a chain of residual sums in every layer's norm would read every earlier layer's output). An
-``add`` of a single-use dot and a bias or residual is left to the runtime's addmm. A fusion
+``add`` of a single-use dot and a bias or residual is left to the runtime's addmm (but a float32
+bias add read only by fusing ops joins their fusion, see ``_is_addmm_operand``). A fusion
 whose only user is a transpose absorbs it (``absorb_transposes``: the kernel writes the
 transposed order). Each group with at least two ops that would launch a kernel becomes::
 
@@ -21,19 +22,23 @@ where ``%fused_computation`` holds the group's instructions on parameters. The r
 (``spmd.runtime.kernels_fusion``) runs the called computation as one generated kernel
 (PyTorch Inductor on CUDA devices), or op by op elsewhere.
 
-Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, constants, iota, reduce
-(add / maximum / minimum), ``concatenate`` (as a producer inside a consumer's group only: a
-bucket of gradients concatenated for one all-reduce is no group root) and ``pad`` without
-interior or negative padding (each output element is one operand element or the fill value:
-rotary embeddings' ``rotate_half`` concatenates, and its backward, the pads ``simplify``
-makes of a ``slice_scatter`` into zeros; XLA's loop fusion takes both too) and the custom calls ``gelu``,
-``silu``, ``layer-norm``, ``softmax``. Not fused: dots (cuBLAS), collectives, gathers, dynamic
-slices, other pads, other custom calls, anything with a tuple shape or no elements, values the lowering folds on
+Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, concatenate (of at most 8
+operands, and only as a producer inside a consumer's group: a concatenate feeding a collective
+is no group root), ``pad`` without interior or negative padding, constants, iota, reduce (add /
+maximum / minimum) and the custom calls ``gelu``, ``silu``, ``layer-norm``, ``softmax``. A
+concatenate or pad launches a kernel of its own when unfused; fused, it is a select between
+its operands (and the fill value) per output element (Inductor's pointwise cat: rotary
+embeddings' ``cat(-x2, x1)`` then costs no kernel beside the multiply-adds that read it; its
+backward, the pads ``simplify`` makes of ``slice_scatter`` into zeros, likewise; XLA's loop
+fusion takes both). Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, other pads,
+longer concatenates (collective buckets), other custom calls, anything with a tuple shape or no
+elements, values the lowering folds on
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
 and partition-id) and ops inside called computations. Members of a group share one stream id,
 and the group has at least one operand. An ``add`` of a single-use dot and a broadcast (a
 bias) or a residual of the dot's shape is left to the runtime's addmm peephole (one GEMM that
-accumulates into the other operand).
+accumulates into the other operand), except a float32 bias add whose users all fuse (Inductor's
+choice, ``_is_addmm_operand``).
 
 Example (one device)::
 
@@ -61,8 +66,11 @@ from spmd.passes.folding import folded_instructions
 FUSIBLE_CUSTOM_CALLS = frozenset({"gelu", "silu", "layer-norm", "softmax", "random"})
 #: Ops that cost no kernel of their own (views or literals): duplicated into a group when shared.
 CHEAP_OPCODES = frozenset({"broadcast", "reshape", "transpose", "slice", "constant", "iota"})
-_FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce", "concatenate"})
+_FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce"})
 _NO_ROOT_OPCODES = CHEAP_OPCODES | frozenset({"concatenate"})  # fused into a consumer's group only
+#: A concatenate of more operands (a collective bucket) stays one ATen ``cat`` kernel: Inductor
+#: lowers a longer cat as a copy kernel per operand (``max_pointwise_cat_inputs``).
+MAX_FUSED_CONCAT_OPERANDS = 8
 _REDUCERS = frozenset({"add", "maximum", "minimum"})
 #: Elementwise ops cheap enough to recompute in every consumer fusion (XLA duplicates such
 #: producers when all their users can fuse them, so that the producer's own kernel goes away).
@@ -89,6 +97,8 @@ def is_fusible(inst: Instruction) -> bool:
         return inst.shape.numel == 1
     if op == "pad":
         return all(lo >= 0 and hi >= 0 and interior == 0 for lo, hi, interior in inst.attrs["padding"])
+    if op == "concatenate":  # Inductor's pointwise cat takes up to 8 inputs (else a copy per input)
+        return len(inst.operands) <= MAX_FUSED_CONCAT_OPERANDS
     return op in _FUSIBLE_OPCODES
 
 
@@ -289,17 +299,34 @@ def _takes_producer(u: Instruction, users: dict, stream_id: int | None, depth: i
 
 def _is_addmm_operand(p: Instruction, user: Instruction, users: dict) -> bool:
     """``p`` is an ``add`` of a single-use dot and a bias or a residual (any value of the dot's
-    shape and dtype): the runtime runs it as one addmm (cuBLAS accumulates into C)."""
+    shape and dtype): the runtime runs it as one addmm (cuBLAS accumulates into C).
+
+    Except a float32 bias add (a broadcast operand) whose users all fuse and launch kernels (the residual add before a
+    LayerNorm, a GELU): that bias add goes into their fusion and the dot runs as a plain GEMM, as
+    Inductor does (``unfuse_bias_add_to_pointwise`` in torch/_inductor/fx_passes/post_grad.py;
+    it keeps the fused addmm for 16-bit types): cuBLASLt's bias-epilogue kernels have no split-K
+    for a narrow float32 output with a long contraction (MiniLM's [1024, 1536] x [1536, 384]),
+    which cuBLAS's plain GEMM heuristics pick.
+    """
     if p.opcode != "add" or user is p:
         return False
     for k, o in enumerate(p.operands):
         other = p.operands[1 - k]
         if o.opcode != "dot" or len(users.get(o, ())) != 1:
             continue
+        if other.opcode == "broadcast" and _bias_fuses_downstream(p, users):
+            return False
         if other.opcode in CHEAP_OPCODES | {"parameter"} or (
                 other.shape.dims == o.shape.dims and other.shape.dtype == o.shape.dtype == p.shape.dtype):
             return True
     return False
+
+
+def _bias_fuses_downstream(p: Instruction, users: dict) -> bool:
+    """A float32 ``add`` whose users are all fusible ops that launch kernels (see ``_is_addmm_operand``)."""
+    us = users.get(p, ())
+    return (p.shape.dtype == "f32" and bool(us)
+            and all(is_fusible(u) and launches_kernel(u) and u.stream_id == p.stream_id for u in us))
 
 
 def _program_order(root: Instruction, inside: set[int]) -> list[Instruction]:

@@ -43,6 +43,15 @@ after, the main program::
 
 and the prologue ``ROOT %hoisted = (f32[8,12]) tuple(%c)`` after the concatenation.
 
+Constant-only values that cost kernels are hoisted too when the pass has weights (the
+prologue then computes them once per weight version, XLA's constant folding on the device):
+a constant-only instruction that is not a view op, a constant, an iota or partition-id, that
+the lowering does not fold on the host (``spmd.passes.folding``: small values), whose
+constant-only chain reads no partition-id (per-device values stay in the program), and whose
+value reaches a per-call instruction or an output directly or through constant view ops.
+Rotary embeddings' angle table (``cos`` / ``sin`` of an ``iota``-built [S, D] table) is the
+example: three kernels per call before.
+
 Runs after merge-dots and fuse-attention (their concatenations are the prime example) and
 before fuse-elementwise (a cast of a weight is cut out before it could be fused with per-call
 work). The prologue's instructions run on stream 0; it is partitioned like the main program
@@ -64,6 +73,7 @@ from spmd.ir.hlo import (
     Shape,
     ancestor_ids,
 )
+from spmd.passes.folding import folded_instructions
 
 VIEW_OPCODES = frozenset({"reshape", "transpose", "broadcast", "slice"})
 NEVER_HOISTED = (frozenset({"parameter", "tuple", "get-tuple-element", "fusion"})
@@ -121,10 +131,11 @@ class HoistWeights:
         kinds = _kinds(comp.instructions, self.weights)
         users = comp.users()
         outputs = _outputs(comp.root)
+        consts = _hoisted_constants(comp, kinds, users, outputs) if self.weights else set()
         hoisted = [inst for inst in comp.instructions
-                   if kinds.get(inst) == _WEIGHT and inst.opcode != "parameter"
-                   and (id(inst) in outputs or any(kinds.get(u) != _WEIGHT for u in users[inst]))
-                   and _pays(inst, kinds)]
+                   if (kinds.get(inst) == _WEIGHT and inst.opcode != "parameter"
+                       and (id(inst) in outputs or any(kinds.get(u) != _WEIGHT for u in users[inst]))
+                       and _pays(inst, kinds)) or id(inst) in consts]
         if not hoisted:
             return WeightSplit(module)
         prologue = _prologue(module, hoisted)
@@ -171,6 +182,31 @@ def _pays(inst: Instruction, kinds: dict[Instruction, str]) -> bool:
         stack.extend(cur.operands)
     return False
 
+
+
+_FREE_CONST_OPCODES = VIEW_OPCODES | {"constant", "iota", "partition-id"}
+
+
+def _hoisted_constants(comp, kinds: dict[Instruction, str], users: dict, outputs: set[int]) -> set[int]:
+    """ids of the constant-only instructions to hoist (see the module docstring)."""
+    folded = folded_instructions(comp)
+    per_device: set[int] = set()  # constant-only values that read partition-id
+    for inst in comp.instructions:
+        if kinds.get(inst) == _CONST and (inst.opcode == "partition-id"
+                                          or any(id(o) in per_device for o in inst.operands)):
+            per_device.add(id(inst))
+    memo: dict[int, bool] = {}
+
+    def reaches_call(inst: Instruction) -> bool:
+        if id(inst) not in memo:
+            memo[id(inst)] = id(inst) in outputs or any(
+                kinds.get(u) is None or (kinds.get(u) == _CONST and u.opcode in VIEW_OPCODES and reaches_call(u))
+                for u in users.get(inst, ()))
+        return memo[id(inst)]
+
+    return {id(inst) for inst in comp.instructions
+            if kinds.get(inst) == _CONST and inst.opcode not in _FREE_CONST_OPCODES and id(inst) not in folded
+            and id(inst) not in per_device and reaches_call(inst)}
 
 
 def _prologue(module: Module, hoisted: list[Instruction]) -> Module:

@@ -8,7 +8,9 @@ Helpers of ``spmd.runtime.lower`` on its ``Op`` list (``lw`` is the lowering's s
 - ``mark_parameter_views``: slices of parameters are views too (their kernels return one);
 - ``shares``: per result slot, the operand slots whose memory it may be a view of (what
   ``spmd.runtime.hazards`` and the slot releases read);
-- ``output_clones``: which outputs must be copied before they are returned.
+- ``output_clones``: which outputs must be copied before they are returned;
+- ``layout_views``: reshapes of an attention result (through view ops) that get no arena view,
+  so that they stay a view of the kernel's output whenever its layout allows.
 """
 
 from __future__ import annotations
@@ -133,3 +135,46 @@ def mark_parameter_views(lw, donated: frozenset[int]) -> None:
         if (op.inst.opcode in _PARAM_VIEW_OPCODES and op.fn is None and op.ins and op.ins[0] in params
                 and all(s in lw.folded for s in op.ins[1:])):
             op.extra["view"] = True
+
+
+# Custom calls whose kernel returns a layout other than row-major that reshapes of the result
+# can view: PyTorch's fused SDPA kernels (flash, memory-efficient, cuDNN; the CPU flash kernel)
+# allocate the [B, H, S, D] output as [B, S, H, D] memory (the layout of projected q), so the
+# transpose back to [B, S, H, D] is a view and the reshape to [B, S, H * D] is one too.
+_STRIDED_RESULT_CALLS = frozenset({"attention"})
+
+
+def layout_views(ops: list) -> set[int]:
+    """Indices of the ``reshape`` ops to leave out of the arena: those whose operand is, through
+    ops marked ``"view"`` (``mark_analysis_views``), the result of an unfused ``attention`` call
+    whose q is itself a view (``_is_view``).
+
+    ``spmd.passes.views`` sees a reshape of a transposed row-major value, which needs a copy; but
+    the attention kernel's memory is [B, S, H, D], so without an arena view the reshape kernel
+    (``Tensor.reshape``) returns a view and no kernel runs (one copy of the attention output per
+    layer saved; a layout that does not allow the view is still copied, into fresh memory). The
+    result then may share the attention result's memory, which ``shares`` reports (an op without
+    an arena view); that memory is the caching allocator's, never the arena, so nothing in the
+    call writes over it.
+    """
+    producer = {op.out: op for op in ops}
+    found: set[int] = set()
+    for k, op in enumerate(ops):
+        if op.inst.opcode != "reshape" or op.fn is not None or "view" in op.extra or not op.ins:
+            continue
+        src = producer.get(op.ins[0])
+        while src is not None and "view" in src.extra and src.ins:
+            src = producer.get(src.ins[0])
+        if (src is not None and src.fn is None and src.inst.opcode == "custom-call"
+                and src.inst.attrs.get("custom_call_target") in _STRIDED_RESULT_CALLS
+                and _is_view(producer.get(src.ins[0]))):
+            found.add(k)
+    return found
+
+
+def _is_view(op) -> bool:
+    """Whether ``op`` (the producer of the attention's q, or None for a parameter) is a view op: q
+    is then a transposed view of a projection ([B, S, H, D] memory), whose layout the kernels give
+    their output. A q computed by a kernel (a rotary fusion) is row-major [B, H, S, D], and so is
+    the output: its reshape copies either way and keeps its arena view."""
+    return op is not None and "view" in op.extra

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from spmd.compile_lock import CAPTURE_LOCK
 from spmd.runtime import streams as st
 from spmd.runtime.graphs_cuda_split import capture_split, issue_split, issue_steps, launch_split, splittable
 from spmd.runtime.graphs_donation import call_views, donor_views
@@ -157,9 +158,10 @@ class CudaGraphBackend:
         self._streams: list[Any] | None = None
 
     def synchronize(self) -> None:
-        """Wait for all work of every local device."""
-        for env in self.envs:
-            torch.cuda.synchronize(env.device)
+        """Wait for all work of every local device (never during another thread's capture)."""
+        with CAPTURE_LOCK:
+            for env in self.envs:
+                torch.cuda.synchronize(env.device)
 
     # ------------------------------------------------------------------ capture
     def capture(self, static_args: list[list[Tensor]], donated: frozenset[int] = frozenset()) -> CudaCaptured:
@@ -186,6 +188,10 @@ class CudaGraphBackend:
         return captured
 
     def _capture(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int]) -> CudaCaptured:
+        with CAPTURE_LOCK:  # no device-wide synchronisation from another thread meanwhile
+            return self._capture_locked(program, steps, call, foreign)
+
+    def _capture_locked(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int]) -> CudaCaptured:
         ex = self.ex
         if self.split and splittable(ex, program):
             return capture_split(self, program, steps, call, foreign)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd import metrics
+from spmd.compile_lock import CAPTURE_LOCK
 from spmd.runtime import kernels_fusion as kf
 
 Tensor = torch.Tensor
@@ -135,12 +136,13 @@ def _median_us(kernels, x: Tensor, w: Tensor, out: Tensor) -> tuple[float, ...]:
     each with a cold L2 (a read of a large buffer before each call evicts ``w`` and leaves no dirty
     lines to write back)."""
     graphs = []
-    for kernel in kernels:
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            kernel(x, w, out)
-        graphs.append(g)
+    with CAPTURE_LOCK:
+        for kernel in kernels:
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                kernel(x, w, out)
+            graphs.append(g)
     flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=x.device)
     total = torch.empty((), dtype=torch.float32, device=x.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

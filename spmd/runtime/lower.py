@@ -363,7 +363,8 @@ def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaVi
 
     Custom calls and fusions get none: their kernels are PyTorch functions without an ``out=`` form, so an
     arena view would cost a copy of every result (one device-to-device memcpy each); they return
-    fresh memory from the caching allocator (the graph's private pool under CUDA graphs).
+    fresh memory from the caching allocator (the graph's private pool under CUDA graphs). Nor do
+    the reshapes of ``aliasing.layout_views``, which view the attention kernel's output.
     """
     views: list[ArenaView] = []
     op_buffers: dict[int, int] = {}
@@ -375,10 +376,11 @@ def _arena(ops: list[Op], outputs: set[int], buffers: Any) -> tuple[list[ArenaVi
         raise ValueError(f"buffers: instruction names must be unique to key a BufferAssignment; "
                          f"repeated: {dup[:5]}")
     offsets = buffers.offsets_bytes
+    strided = aliasing.layout_views(ops)
     for k, op in enumerate(ops):
         name = op.buffer_name
         if ("spec" in op.extra or "view" in op.extra or name is None or name not in offsets or op.out in outputs
-                or (op.fn is None and op.inst.opcode in ("custom-call", "fusion"))):
+                or (op.fn is None and op.inst.opcode in ("custom-call", "fusion")) or k in strided):
             continue
         shape = op.inst.shape
         if shape.is_tuple:

@@ -74,7 +74,8 @@ class WeightCache:
         self._lock = threading.Lock()
         self._arg_refs: list[weakref.ref] = []
         self._tensor_refs: list[weakref.ref] = []
-        self._pick = operator.itemgetter(*self.inputs) if len(self.inputs) > 1 else _single(self.inputs[0])
+        self._pick = (operator.itemgetter(*self.inputs) if len(self.inputs) > 1
+                      else _single(self.inputs[0]) if self.inputs else _none)
         self._versions: list[int] = []
         self._values: list[list[Tensor]] | None = None
         self.last_ready: Sequence[Any] | None = None  # the main program's ready events (GPU, copy_into)
@@ -140,6 +141,11 @@ def _single(i: int):
         return (args[i],)
 
     return pick
+
+
+def _none(args: Sequence[Any]) -> tuple:
+    """No argument: a prologue of constant-only values runs once."""
+    return ()
 
 
 def _tensors(picked: Sequence[Any]) -> list[Tensor]:

@@ -59,3 +59,20 @@ def test_conv1d_sharded(devices, axes, specs):
 def test_mixed_dtypes_are_a_user_error():
     with pytest.raises(TypeError, match="dtype"):
         run_imported(lambda x, w: F.conv1d(x, w), (torch.randn(2, 4, 5), torch.randn(3, 4, 2, dtype=torch.float64)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_float32_conv1d_on_cuda_keeps_float32_precision(cuda_graphs):
+    """cuDNN may pick a TF32 algorithm for a float32 conv by shape and layout; the conv1d kernel
+    runs without TF32 (random tester on an H200: a [2, 12, 1] conv1d differed from float64 by 3e-4)."""
+    mesh = Mesh.create(("tp",), devices="cuda:1")
+    g = torch.Generator().manual_seed(54)
+    x, w = torch.randn(2, 12, 1, generator=g), torch.randn(2, 12, 1, generator=g)
+    f = spmd.jit(lambda x, w: F.conv1d(x, w), mesh=mesh, in_shardings=(P(), P()),
+                 options=spmd.CompileOptions(cuda_graphs=cuda_graphs))
+    exact = F.conv1d(x.double(), w.double())
+    for _ in range(3):
+        got = f(x, w).to_torch().cpu()
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)

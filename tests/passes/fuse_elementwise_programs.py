@@ -93,6 +93,12 @@ def mask_softmax(scores, mask):
     return torch.softmax(scores + bias, dim=-1)
 
 
+def rotary(x, cos, sin):
+    """Rotary embedding x * cos + cat(-x2, x1) * sin (x1, x2: halves of the last dim); x [B,H,S,D] split on H."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def _mask(b: int, s: int, gen: torch.Generator) -> torch.Tensor:
     m = torch.ones(b, s, dtype=torch.int64)
     m[:, s // 2:] = torch.randint(0, 2, (b, s - s // 2), generator=gen)
@@ -109,6 +115,8 @@ CASES = {  # name: (fn, arguments from a generator, input specs, output spec)
     "silu_residual": (silu_residual, lambda g: [torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g) / 3,
                                                 torch.randn(4, 8, generator=g)], [P(), P(None, "tp"), P()], P()),
     "reductions": (reductions, lambda g: [torch.randn(8, 3, 5, generator=g)], [P("tp")], P("tp")),
+    "rotary": (rotary, lambda g: [torch.randn(2, 3, 5, 8, generator=g), torch.randn(5, 8, generator=g),
+                                  torch.randn(5, 8, generator=g)], [P(None, "tp"), P(), P()], P(None, "tp")),
     "mask_softmax": (mask_softmax, lambda g: [torch.randn(2, 4, 6, 6, generator=g), _mask(2, 6, g)],
                      [P(None, "tp"), P()], P(None, "tp")),
 }

@@ -137,7 +137,22 @@ ENTRY %main (x: f32[4,8], bias: f32[8]) -> (f32[4,8], f32[4,8]) {
 }
 """)
 
-    def test_the_bias_add_of_a_dot_is_left_for_addmm(self):
+    def test_the_bias_add_of_a_16_bit_dot_is_left_for_addmm(self):
+        out, _ = fuse(ADDMM.replace("f32[", "bf16["))
+        self.assertExpectedInline(entry(out), """\
+ %main (x: bf16[4,8], w: bf16[8,8], b: bf16[8]) -> bf16[4,8] {
+  %x = bf16[4,8] parameter(0)
+  %w = bf16[8,8] parameter(1)
+  %b = bf16[8] parameter(2)
+  %d = bf16[4,8] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %bb = bf16[4,8] broadcast(%b), dimensions={1}
+  %a = bf16[4,8] add(%d, %bb)
+  ROOT %fusion = bf16[4,8] fusion(%a, %x), calls=%fused_computation, kind=kLoop
+}
+""")
+
+    def test_a_float32_bias_add_read_only_by_fusing_ops_joins_their_fusion(self):
+        """Inductor's unfused bias: a plain GEMM, and the bias add inside the GELU's kernel."""
         out, _ = fuse(ADDMM)
         self.assertExpectedInline(entry(out), """\
  %main (x: f32[4,8], w: f32[8,8], b: f32[8]) -> f32[4,8] {
@@ -145,11 +160,22 @@ ENTRY %main (x: f32[4,8], bias: f32[8]) -> (f32[4,8], f32[4,8]) {
   %w = f32[8,8] parameter(1)
   %b = f32[8] parameter(2)
   %d = f32[4,8] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  %bb = f32[4,8] broadcast(%b), dimensions={1}
-  %a = f32[4,8] add(%d, %bb)
-  ROOT %fusion = f32[4,8] fusion(%a, %x), calls=%fused_computation, kind=kLoop
+  ROOT %fusion = f32[4,8] fusion(%b, %d, %x), calls=%fused_computation, kind=kLoop
 }
 """)
+
+    def test_a_float32_bias_add_read_by_a_view_is_left_for_addmm(self):
+        """Merged q/k/v: the bias-added product is sliced for the attention (no kernel to fuse into)."""
+        text = module(
+            ["x: f32[4,8]", "w: f32[8,8]", "b: f32[8]"],
+            [f"%d = f32[4,8] dot(%x, %w), {DOT}",
+             "%bb = f32[4,8] broadcast(%b), dimensions={1}",
+             "%a = f32[4,8] add(%d, %bb)",
+             "%s = f32[4,4] slice(%a), slice={[0:4:1], [0:4:1]}",
+             "ROOT %r = f32[4,4] tanh(%s)"],
+            "f32[4,4]")
+        out, _ = fuse(text)
+        assert "%a = f32[4,8] add(%d, %bb)" in entry(out)
 
     def test_an_add_of_a_dot_and_a_computed_bias_is_not_a_fusion_root(self):
         text = module(
@@ -172,6 +198,36 @@ ENTRY %main (x: f32[4,8], bias: f32[8]) -> (f32[4,8], f32[4,8]) {
   ROOT %a = f32[4,8] add(%d, %bb)
 }
 """)
+
+    def test_a_concatenate_of_negated_halves_fuses_with_its_multiply_add(self):
+        """Rotary embedding's rotate-half: the negate and the concatenate cost no kernels of their own."""
+        text = module(["x: f32[4,8]", "c: f32[4,8]"], [
+            "%lo = f32[4,4] slice(%x), slice={[0:4:1], [0:4:1]}",
+            "%hi = f32[4,4] slice(%x), slice={[0:4:1], [4:8:1]}",
+            "%n = f32[4,4] negate(%hi)",
+            "%r = f32[4,8] concatenate(%n, %lo), dimensions={1}",
+            "%m = f32[4,8] multiply(%r, %c)",
+            "ROOT %o = f32[4,8] add(%m, %x)"], "f32[4,8]")
+        out, mod = fuse(text)
+        self.assertExpectedInline(out.split("%fused_computation", 1)[1], """\
+ (param_0: f32[4,8], param_1: f32[4,8]) -> f32[4,8] {
+  %param_0 = f32[4,8] parameter(0)
+  %param_1 = f32[4,8] parameter(1)
+  %hi.1 = f32[4,4] slice(%param_0), slice={[0:4:1], [4:8:1]}
+  %n.1 = f32[4,4] negate(%hi.1)
+  %lo.1 = f32[4,4] slice(%param_0), slice={[0:4:1], [0:4:1]}
+  %r.1 = f32[4,8] concatenate(%n.1, %lo.1), dimensions={1}
+  %m.1 = f32[4,8] multiply(%r.1, %param_1)
+  ROOT %o.1 = f32[4,8] add(%m.1, %param_0)
+}
+
+ENTRY %main (x: f32[4,8], c: f32[4,8]) -> f32[4,8] {
+  %x = f32[4,8] parameter(0)
+  %c = f32[4,8] parameter(1)
+  ROOT %fusion = f32[4,8] fusion(%x, %c), calls=%fused_computation, kind=kLoop
+}
+""")
+        assert len(fusions(mod)) == 1
 
     def test_ops_on_different_streams_are_not_fused_together(self):
         text = module(["x: f32[4,8]"], [
@@ -348,6 +404,18 @@ def test_dots_collectives_and_custom_calls_other_than_norms_are_not_fused():
     assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["dot", "all-reduce", "fusion"]
 
 
+def test_a_concatenate_of_more_than_eight_operands_is_not_fused():
+    """A collective bucket's concatenate stays one ATen cat (Inductor would copy per operand)."""
+    names = [f"x{k}" for k in range(9)]
+    text = module([f"{n}: f32[2,4]" for n in names], [
+        *[f"%n{k} = f32[2,4] negate(%{n})" for k, n in enumerate(names)],
+        f"%c = f32[2,36] concatenate({', '.join(f'%n{k}' for k in range(9))}), dimensions={{1}}",
+        "ROOT %t = f32[2,36] tanh(%c)"], "f32[2,36]")
+    out, mod = fuse(text)
+    assert "%c = f32[2,36] concatenate(" in entry(out)
+    assert fe.MAX_FUSED_CONCAT_OPERANDS == 8
+
+
 # --------------------------------------------------------------------------- random elementwise DAGs
 M = "f32[3,4]"
 UNARY = ["negate", "tanh", "abs", "sine", "logistic"]
@@ -503,3 +571,53 @@ ENTRY %main (s: s64[1], x: f32[1,8], y: f32[1,8]) -> (s64[1], s64[1]) {
     fusions = [i for i in mod.entry.instructions if i.opcode == "fusion"]
     assert len(fusions) == 1 and mod.entry.root.operands == [fusions[0], fusions[0]]
     assert len([c for c in mod.computations if c.name.startswith("fused")]) == 1
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_llama_rotary_embedding_runs_no_concatenate_or_negate_of_its_own(n):
+    """Two Llama layers: rotate-half's negate and concatenate are inside fusions (each layer had
+    two of each, one kernel apiece); the output equals float64 eager."""
+    from spmd.models.llama import llama_layers
+    from spmd.models.plans import llama_plan
+
+    model = llama_layers("llama2-7b", 2, small=True, seed=4)
+    x = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    mesh = spmd.Mesh.create({"tp": n}, f"cpu:{n}")
+    pm = parallelize(model, mesh, llama_plan("tp"))
+    lowered = pm.lower(x)
+    module = lowered.result.module
+    entry_ops = [(i.opcode, i.shape.rank) for i in module.entry.instructions]
+    bodies = [i.opcode for c in module.computations if c is not module.entry for i in c.instructions]
+    # the [S, D] angle table's concatenate may stay (small inputs are folded on the host)
+    assert ("concatenate", 4) not in entry_ops and "negate" not in {op for op, _ in entry_ops}
+    assert bodies.count("concatenate") >= 2  # q's and k's rotate-half (equal layers share fusions)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    assert _rel_err(pm(x).to_torch(), want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bert_bias_adds_by_dtype_in_the_lowered_program(dtype):
+    """One device: in float32 only the merged q/k/v projection keeps its bias in the GEMM (the other
+    three linear layers per layer run plain GEMMs, their biases inside the residual / LayerNorm and
+    GELU fusions); in bf16 all four are addmm. Same number of kernels either way; float32 numerics
+    against float64 eager."""
+    cfg = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=16)
+    model = init_random_(BertSentenceEncoder(cfg), seed=3).eval().to(dtype)
+    gen = torch.Generator().manual_seed(12)
+    ids, mask = torch.randint(0, 97, (2, 8), generator=gen), _mask(2, 8, gen)
+    pm = parallelize(model, spmd.Mesh.create({"tp": 1}, "cpu:1"), bert_plan())
+    got = pm(ids, mask).to_torch()
+    program = pm.compiled.executable.program
+    module = pm.compiled.module
+    opcode = {i.name: i.opcode for i in module.entry.instructions}
+    kernels = [t for t in program.thunks if hasattr(t, "fn") and t.out not in program.view_slots]
+    addmms = [t for t in kernels if opcode.get(t.name) == "add"]
+    dots = [t for t in kernels if opcode.get(t.name) == "dot"]
+    layers = cfg.num_hidden_layers
+    assert (len(addmms), len(dots)) == ((layers, 3 * layers) if dtype == torch.float32 else (4 * layers, 0))
+    if dtype == torch.float32:
+        with torch.no_grad():
+            want = copy.deepcopy(model).double()(ids, mask)
+        assert _rel_err(got, want) < 1e-5

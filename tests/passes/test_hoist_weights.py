@@ -36,6 +36,23 @@ CAST = _module(
     "(bf16[4,6], f32[8,6], f32[8,6])")
 
 
+def _table(dims: str, extra: str = "") -> str:
+    """x @ w times an iota-built cosine table of ``dims`` (``extra``: more lines before the root)."""
+    return _module(
+        ["x: f32[64,32]", "w: f32[32,32]"],
+        [f"%i = s32[{dims}] iota(), iota_dimension=0",
+         f"%f = f32[{dims}] convert(%i)",
+         f"%c = f32[{dims}] cosine(%f)",
+         *([extra] if extra else []),
+         f"%cb = f32[64,32] broadcast(%c), dimensions={{{'0,1' if dims == '64,32' else '1'}}}",
+         f"%d = f32[64,32] dot(%x, %w), {DOT}",
+         "ROOT %out = f32[64,32] multiply(%d, %cb)"],
+        "f32[64,32]")
+
+
+TABLE = _table("64,32")
+
+
 def _split(text: str, weights: set[int]):
     """Split ``text``; check the prologue feeding the main program computes what ``text`` did (fresh inputs)."""
     before = parse_module(text)
@@ -124,7 +141,42 @@ ENTRY %main (x: bf16[4,8], w: f32[6,8], s: f32[], ws.hoisted: f32[8,6], wc.hoist
 """)
 
 
+    def test_a_constant_table_that_costs_kernels_moves_to_the_prologue(self):
+        """The table's last computed value is hoisted (not its convert, nor the broadcast: a view)."""
+        split = _split(TABLE, {1})
+        assert split.hoisted == ("c.hoisted",) and split.inputs == ()
+        self.assertExpectedInline(print_module(split.main).split("ENTRY", 1)[1], """\
+ %main (x: f32[64,32], w: f32[32,32], c.hoisted: f32[64,32]) -> f32[64,32] {
+  %x = f32[64,32] parameter(0)
+  %w = f32[32,32] parameter(1)
+  %c.hoisted = f32[64,32] parameter(2)
+  %cb = f32[64,32] broadcast(%c.hoisted), dimensions={0,1}
+  %d = f32[64,32] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = f32[64,32] multiply(%d, %cb)
+}
+""")
+        self.assertExpectedInline(print_module(split.prologue).split("ENTRY", 1)[1], """\
+ %main (x: f32[64,32], w: f32[32,32]) -> (f32[64,32]) {
+  %x = f32[64,32] parameter(0)
+  %w = f32[32,32] parameter(1)
+  %i = s32[64,32] iota(), iota_dimension=0, stream_id=0
+  %f = f32[64,32] convert(%i), stream_id=0
+  %c = f32[64,32] cosine(%f), stream_id=0
+  ROOT %hoisted = (f32[64,32]) tuple(%c), stream_id=0
+}
+""")
+
+
 # --------------------------------------------------------------------------- rules
+def test_constant_tables_stay_without_weights_when_small_or_per_device():
+    assert HoistWeights().split(parse_module(TABLE)).prologue is None  # no weights: nothing is hoisted
+    assert _split(_table("32"), {1}).prologue is None  # 32 elements: the lowering folds the table
+    per_device = TABLE.replace("%i = s32[64,32] iota(), iota_dimension=0",
+                               "%pid = u32[] partition-id()\n  %pc = s32[] convert(%pid)\n"
+                               "  %i = s32[64,32] broadcast(%pc), dimensions={}")
+    assert "partition-id" in per_device and _split(per_device, {1}).prologue is None
+
+
 def test_only_weights_are_hoisted():
     # wk is not a weight (a per-call input, or donated): the concatenation reads it, so it stays
     split = _split(MERGED, {1, 3})

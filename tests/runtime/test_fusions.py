@@ -126,3 +126,51 @@ def test_residual_add_after_a_row_splitting_view_runs_as_one_addmm(in_place):
     want = f(x.double(), h.double(), w.double())
     got, want = (got, want) if in_place else (got[0], want[0])
     torch.testing.assert_close(got.to_torch().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _linear_gelu(x, w, b, w2, b2):
+    """A BERT feed-forward block: gelu(x @ w.T + b) @ w2.T + b2 + x."""
+    return torch.nn.functional.gelu(x @ w.t() + b) @ w2.t() + b2 + x
+
+
+def _ffn_inputs(dtype, device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((4, 64, 32), (128, 32), (128,), (32, 128), (32,))
+    return tuple((torch.randn(s, generator=g) / 4).to(device=device, dtype=dtype) for s in shapes)
+
+
+def _cuda_kernels(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_feed_forward_kernels_on_one_gpu(dtype):
+    """bf16: both linear layers are cuBLASLt GEMMs with the bias in the epilogue (addmm with the 1-d
+    bias), then the GELU and the residual add; float32: plain GEMMs, the biases inside the GELU and
+    residual fusions (Inductor's choice). Either way two kernels besides the GEMMs (cuBLAS may add
+    split-K reductions), no bias add of its own; results equal float64 eager on the same inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    mesh = Mesh.create(("tp",), devices="cuda:1")
+    f = spmd.jit(_linear_gelu, mesh=mesh, in_shardings=(P(),) * 5, out_shardings=P(),
+                 options=spmd.CompileOptions(cuda_graphs=False))
+    xs = _ffn_inputs(dtype, "cuda", 1)
+    placed = [spmd.device_put(t, spmd.NamedSharding(mesh, P())) for t in xs]  # no input copies in the profile
+    f(*placed)  # compile; fusions are generated at the first call
+    names = _cuda_kernels(lambda: f(*placed))
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    gemm = ("gemm", "nvjet", "xmma", "cutlass", "splitk", "cublas")
+    others = [n for n in names if not any(g in n.lower() for g in gemm)]
+    assert len(others) == 2, names
+    want = _linear_gelu(*[t.double().cpu() for t in xs])
+    got = f(*placed).to_torch().double().cpu()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -9,7 +9,7 @@ import torch
 
 import spmd
 from spmd.models.llama import llama_layers
-from spmd.models.plans import llama_plan
+from spmd.models.plans import Plan, Replicate, llama_plan
 from spmd.parallelize import parallelize
 from spmd.passes.pipeline import CompileOptions
 from spmd.runtime.graphs import GraphOptions, GraphRunner, HostReplayBackend
@@ -231,3 +231,31 @@ def test_generator_decode_steps_reuse_the_hoisted_weights():
     (compiled,) = decode._cache.values()
     assert compiled.weight_cache is not None and compiled.weight_cache.runs == 1  # once for every decode step
     assert "concatenate" in compiled.lowered.result.prologue_text
+
+
+class _CosineTable(torch.nn.Module):
+    """A linear layer times an arange-built cosine table (constant-only work of [S, F] elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[-2], dtype=x.dtype)[:, None] * torch.arange(32, dtype=x.dtype)
+        return self.proj(x) * torch.cos(pos * 0.01)
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:2"])
+def test_a_prologue_of_constants_only_runs_once(devices):
+    """Nothing weight-only to hoist, but the cosine table: the prologue reads no argument and runs
+    once; the per-call program runs no kernel for the table; results equal float64 eager."""
+    torch.manual_seed(0)
+    model = _CosineTable().double().eval()
+    plan = Plan((("proj", Replicate()),))  # a replicated table (a sharded iota reads partition-id)
+    pm = parallelize(model, spmd.Mesh.create(("tp",), devices=devices), plan)
+    for _ in range(3):
+        x = torch.randn(2, 64, 32, dtype=torch.float64)
+        assert _rel_err(pm(x).to_torch(), model(x)) < 1e-12
+    cache = pm.compiled.weight_cache
+    assert cache is not None and cache.inputs == () and cache.runs == 1
+    assert _kernels(pm.compiled, "cosine") == 0 and "cosine(" not in pm.lowered.as_text(pm.lowered.stages[-1])
