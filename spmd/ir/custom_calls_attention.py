@@ -92,10 +92,15 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_last(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as is when its last dim is dense (stride 1, what every fused kernel needs: the other
-    strides are free, so transposed views of a projection's output go in without a copy), else a
-    contiguous copy."""
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+    """``t`` as is when its last dim is dense and its rows are 16-byte aligned (stride 1 and every
+    other stride and the start a multiple of 16 bytes: what the fused kernels read directly; the
+    other strides are free, so transposed views of a projection's output go in without a copy),
+    else a contiguous copy. (The packed forward result's 16-bit rows of ``Dv + 2`` elements are not
+    aligned for even ``Dv``: its output slice is copied.)"""
+    size = t.element_size()
+    aligned = t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1],
+                                                                                strict=True) if n > 1)
+    return t if aligned and (t.shape[-1] <= 1 or t.stride(-1) == 1) else t.contiguous()
 
 
 def _bias(mask: torch.Tensor | None, q4: torch.Tensor, k4: torch.Tensor, lead) -> torch.Tensor | None:
@@ -275,7 +280,7 @@ def attention_backward(operands: list[torch.Tensor], config: Config, out: torch.
     lead, dv_size = q.shape[:-2], v.shape[-1]
     q4, k4, v4 = (_dense_last(_as4d(t)) for t in (q, k, v))
     p4 = _as4d(packed)
-    attn = _dense_last(p4[..., :dv_size])  # the kernels read o with its row stride Dv + c: no copy
+    attn = _dense_last(p4[..., :dv_size])  # o in place when its rows (Dv + c elements) are aligned
     lse = p4[..., dv_size:].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
     do4 = _dense_last(_as4d(do)).to(q.dtype)
     bias = _bias(mask, q4, k4, lead)
