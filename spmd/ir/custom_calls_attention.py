@@ -16,8 +16,10 @@ q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]``; mask broadcast to `
 
 A custom call has one array result, so the forward packs its two results into one: the attention
 output in columns ``[0, Dv)`` and the per-row log-sum-exp of the scaled scores (float32, float64
-for float64 inputs) bit-packed into the ``c`` columns after them (``c = stat_columns(dtype)``: 2
-for 16-bit types, else 1). The importer slices the output off the packed value and hands the
+for float64 inputs) bit-packed into the first columns of a 16-byte block after them (``c =
+stat_columns(dtype)`` columns: 8 for 16-bit types, 4 for float32, 2 for float64; the rest of the
+block is zero), so that a row of ``Dv + c`` elements stays 16-byte aligned whenever ``Dv``'s is
+and the backward reads the output slice in place. The importer slices the output off the packed value and hands the
 packed value itself to the backward, so the statistics are an ordinary value that buffer
 assignment keeps alive from forward to backward. The backward's dq, dk and dv are packed the
 same way along the last dim (each flattened over its last two dims), and sliced apart after.
@@ -54,8 +56,17 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+STAT_BLOCK_BYTES = 16  # the log-sum-exp block of a packed row: keeps aligned rows aligned
+
+
 def stat_columns(dtype: torch.dtype) -> int:
-    """Columns of ``dtype`` that hold one log-sum-exp value in the packed forward result."""
+    """Columns of ``dtype`` after the output in the packed forward result: a 16-byte block (at least
+    one log-sum-exp value) whose first ``_stat_width(dtype)`` columns hold the value."""
+    return max(1, max(STAT_BLOCK_BYTES, stat_dtype(dtype).itemsize) // dtype.itemsize)
+
+
+def _stat_width(dtype: torch.dtype) -> int:
+    """Columns of ``dtype`` that one log-sum-exp value (``stat_dtype``) occupies."""
     return max(1, stat_dtype(dtype).itemsize // dtype.itemsize)
 
 
@@ -95,8 +106,8 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` as is when its last dim is dense and its rows are 16-byte aligned (stride 1 and every
     other stride and the start a multiple of 16 bytes: what the fused kernels read directly; the
     other strides are free, so transposed views of a projection's output go in without a copy),
-    else a contiguous copy. (The packed forward result's 16-bit rows of ``Dv + 2`` elements are not
-    aligned for even ``Dv``: its output slice is copied.)"""
+    else a contiguous copy (the packed forward result's rows of ``Dv + stat_columns`` elements are
+    aligned when ``Dv``'s are: the backward reads the output slice in place)."""
     size = t.element_size()
     aligned = t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1],
                                                                                 strict=True) if n > 1)
@@ -230,10 +241,13 @@ def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.T
     scale = _scale(config, q.shape[-1])
     attn, lse = _forward4(q4, k4, v4, bias, causal, scale, _choose(q4, k4, v4, bias, causal, scale, config))
     stats = lse.contiguous().unsqueeze(-1).view(q.dtype)
-    result = _target(out, q, (*lead, q.shape[-2], v.shape[-1] + stats.shape[-1]))
+    dv, width = v.shape[-1], stats.shape[-1]
+    result = _target(out, q, (*lead, q.shape[-2], dv + stat_columns(q.dtype)))
     packed = result.view(*q4.shape[:-1], result.shape[-1])
-    packed[..., :v.shape[-1]].copy_(attn)
-    packed[..., v.shape[-1]:].copy_(stats)
+    packed[..., :dv].copy_(attn)
+    packed[..., dv:dv + width].copy_(stats)
+    if packed.shape[-1] > dv + width:
+        packed[..., dv + width:].zero_()
     return _written(out, result)
 
 
@@ -281,7 +295,7 @@ def attention_backward(operands: list[torch.Tensor], config: Config, out: torch.
     q4, k4, v4 = (_dense_last(_as4d(t)) for t in (q, k, v))
     p4 = _as4d(packed)
     attn = _dense_last(p4[..., :dv_size])  # o in place when its rows (Dv + c elements) are aligned
-    lse = p4[..., dv_size:].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
+    lse = p4[..., dv_size:dv_size + _stat_width(q.dtype)].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
     do4 = _dense_last(_as4d(do)).to(q.dtype)
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
