@@ -16,10 +16,11 @@ q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]``; mask broadcast to `
 
 A custom call has one array result, so the forward packs its two results into one: the attention
 output in columns ``[0, Dv)`` and the per-row log-sum-exp of the scaled scores (float32, float64
-for float64 inputs) bit-packed into the first columns of a 16-byte block after them (``c =
-stat_columns(dtype)`` columns: 8 for 16-bit types, 4 for float32, 2 for float64; the rest of the
-block is zero), so that a row of ``Dv + c`` elements stays 16-byte aligned whenever ``Dv``'s is
-and the backward reads the output slice in place. The importer slices the output off the packed value and hands the
+for float64 inputs) bit-packed into the ``c = stat_columns(dtype, Dv)`` columns after them: the
+value's own columns (2 for 16-bit types, else 1), or a 16-byte block (8 for 16-bit types, 4 for
+float32, 2 for float64; the rest zero) when an output row is 16-byte aligned and at least 128
+bytes, so that packed rows stay aligned and the backward reads the output slice in place. The
+importer slices the output off the packed value and hands the
 packed value itself to the backward, so the statistics are an ordinary value that buffer
 assignment keeps alive from forward to backward. The backward's dq, dk and dv are packed the
 same way along the last dim (each flattened over its last two dims), and sliced apart after.
@@ -59,10 +60,13 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 STAT_BLOCK_BYTES = 16  # the log-sum-exp block of a packed row: keeps aligned rows aligned
 
 
-def stat_columns(dtype: torch.dtype) -> int:
-    """Columns of ``dtype`` after the output in the packed forward result: a 16-byte block (at least
-    one log-sum-exp value) whose first ``_stat_width(dtype)`` columns hold the value."""
-    return max(1, max(STAT_BLOCK_BYTES, stat_dtype(dtype).itemsize) // dtype.itemsize)
+def stat_columns(dtype: torch.dtype, dv: int) -> int:
+    """Columns of ``dtype`` after the ``dv`` output columns of the packed forward result: the
+    log-sum-exp value's ``_stat_width(dtype)`` columns, widened to a 16-byte block when an output
+    row is 16-byte aligned and at least 128 bytes (the block then keeps packed rows aligned, so
+    the backward reads the output in place, for at most 1/8 more bytes than the output)."""
+    width, row = _stat_width(dtype), dv * dtype.itemsize
+    return max(width, STAT_BLOCK_BYTES // dtype.itemsize) if row % 16 == 0 and row >= 128 else width
 
 
 def _stat_width(dtype: torch.dtype) -> int:
@@ -86,7 +90,7 @@ def check_result_shape(target: str, operand_shapes, shape) -> None:
                          f"{[str(o) for o in operand_shapes]}")
     q, k, v = (o.dims for o in operand_shapes[:3])
     if target == "attention-forward":
-        dims = (*q[:-1], v[-1] + stat_columns(shape.torch_dtype))
+        dims = (*q[:-1], v[-1] + stat_columns(shape.torch_dtype, v[-1]))
     else:
         dims = (*q[:-2], 1, grads_width(q, k, v))
     if shape.dtype != operand_shapes[0].dtype or tuple(shape.dims) != dims:
@@ -107,7 +111,7 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     other stride and the start a multiple of 16 bytes: what the fused kernels read directly; the
     other strides are free, so transposed views of a projection's output go in without a copy),
     else a contiguous copy (the packed forward result's rows of ``Dv + stat_columns`` elements are
-    aligned when ``Dv``'s are: the backward reads the output slice in place)."""
+    aligned when ``stat_columns`` widens to a block: the backward then reads the output in place)."""
     size = t.element_size()
     aligned = t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1],
                                                                                 strict=True) if n > 1)
@@ -227,7 +231,7 @@ def _forward4(q, k, v, bias, causal, scale, kind):
 
 
 def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention-forward``: q, k, v[, mask] -> packed ``[..., Sq, Dv + stat_columns]`` (q's dtype).
+    """``attention-forward``: q, k, v[, mask] -> packed ``[..., Sq, Dv + stat_columns(dtype, Dv)]`` (q's dtype).
 
     Columns ``[0, Dv)`` hold softmax(q kᵀ·scale + mask) v; the rest the float32 (float64)
     log-sum-exp of each row's scaled, masked scores, bit-packed. Written into ``out`` when given.
@@ -242,7 +246,7 @@ def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.T
     attn, lse = _forward4(q4, k4, v4, bias, causal, scale, _choose(q4, k4, v4, bias, causal, scale, config))
     stats = lse.contiguous().unsqueeze(-1).view(q.dtype)
     dv, width = v.shape[-1], stats.shape[-1]
-    result = _target(out, q, (*lead, q.shape[-2], dv + stat_columns(q.dtype)))
+    result = _target(out, q, (*lead, q.shape[-2], dv + stat_columns(q.dtype, dv)))
     packed = result.view(*q4.shape[:-1], result.shape[-1])
     packed[..., :dv].copy_(attn)
     packed[..., dv:dv + width].copy_(stats)

@@ -23,7 +23,7 @@ ENTRY %main (q: f32[4,2,6,4], k: f32[4,2,6,4], v: f32[4,2,6,4], dout: f32[4,2,6,
   %k = f32[4,2,6,4] parameter(1), sharding={replicated}
   %v = f32[4,2,6,4] parameter(2), sharding={devices=[2,1,1,1]<=[2]}
   %dout = f32[4,2,6,4] parameter(3), sharding={devices=[2,1,1,1]<=[2]}
-  %fwd = f32[4,2,6,8] custom-call(%q, %k, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}
+  %fwd = f32[4,2,6,5] custom-call(%q, %k, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}
   ROOT %bwd = f32[4,2,1,72] custom-call(%q, %k, %v, %fwd, %dout), custom_call_target="attention-backward", backend_config={"is_causal":true,"has_mask":false}
 }
 """
@@ -42,7 +42,7 @@ ENTRY %main (q: f32[2,2,6,4], k: f32[4,2,6,4], v: f32[2,2,6,4], dout: f32[2,2,6,
   %multiply = s32[] multiply(%pid, %constant)
   %constant.1 = s32[] constant(0)
   %dynamic-slice = f32[2,2,6,4] dynamic-slice(%k, %multiply, %constant.1, %constant.1, %constant.1), dynamic_slice_sizes={2,2,6,4}, sharding={devices=[2,1,1,1]<=[2]}
-  %fwd = f32[2,2,6,8] custom-call(%q, %dynamic-slice, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}, sharding={devices=[2,1,1,1]<=[2]}
+  %fwd = f32[2,2,6,5] custom-call(%q, %dynamic-slice, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}, sharding={devices=[2,1,1,1]<=[2]}
   ROOT %bwd = f32[2,2,1,72] custom-call(%q, %dynamic-slice, %v, %fwd, %dout), custom_call_target="attention-backward", backend_config={"is_causal":true,"has_mask":false}, sharding={devices=[2,1,1,1]<=[2]}
 }
 """
@@ -55,7 +55,7 @@ ENTRY %main (q: f32[2,4,6,4], k: f32[2,4,6,4], v: f32[2,4,6,4], dout: f32[2,4,6,
   %v = f32[2,4,6,4] parameter(2), sharding={devices=[2,2,1,1]<=[4]}
   %dout = f32[2,4,6,4] parameter(3), sharding={devices=[2,1,2,1]<=[4]}
   %mask = pred[2,4,6,6] parameter(4), sharding={replicated}
-  %fwd = f32[2,4,6,8] custom-call(%q, %k, %v, %mask), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}
+  %fwd = f32[2,4,6,5] custom-call(%q, %k, %v, %mask), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}
   ROOT %bwd = f32[2,4,1,72] custom-call(%q, %k, %v, %fwd, %dout, %mask), custom_call_target="attention-backward", backend_config={"is_causal":false,"has_mask":true}
 }
 """
@@ -80,7 +80,7 @@ ENTRY %main (q: f32[1,2,6,4], k: f32[1,2,6,4], v: f32[1,2,6,4], dout: f32[1,4,3,
   %multiply.1 = s32[] multiply(%remainder, %constant)
   %constant.2 = s32[] constant(0)
   %dynamic-slice = pred[1,2,6,6] dynamic-slice(%mask, %multiply, %multiply.1, %constant.2, %constant.2), dynamic_slice_sizes={1,2,6,6}, sharding={devices=[2,2,1,1]<=[4]}
-  %fwd = f32[1,2,6,8] custom-call(%q, %k, %v, %dynamic-slice), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}, sharding={devices=[2,2,1,1]<=[4]}
+  %fwd = f32[1,2,6,5] custom-call(%q, %k, %v, %dynamic-slice), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}, sharding={devices=[2,2,1,1]<=[4]}
   %all-to-all = f32[1,2,6,4] all-to-all(%dout), replica_groups={{0,1},{2,3}}, split_dimension=1, concat_dimension=2, sharding={devices=[2,2,1,1]<=[4]}
   ROOT %bwd = f32[1,2,1,72] custom-call(%q, %k, %v, %fwd, %all-to-all, %dynamic-slice), custom_call_target="attention-backward", backend_config={"is_causal":false,"has_mask":true}, sharding={devices=[2,2,1,1]<=[4]}
 }
