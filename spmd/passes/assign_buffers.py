@@ -51,7 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from spmd.ir.hlo import Instruction, Module
+from spmd.ir.hlo import Computation, Instruction, Module
 from spmd.passes.folding import folded_instructions
 from spmd.passes.views import view_instructions
 
@@ -268,6 +268,25 @@ def element_name(fusion_name: str, index: int) -> str:
     return f"{fusion_name}#{index}"
 
 
+def _live_part(module: Module) -> Module:
+    """``module`` without the entry instructions its root does not depend on: the runtime never
+    runs them (``lower`` walks the same set), so a wait between streams that only a dead
+    instruction makes must not order two values that share bytes (a dead async-start reading a
+    value on another stream once let two streams write one buffer unordered)."""
+    entry = module.entry
+    seen: set[int] = set()
+    stack = [entry.root]
+    while stack:
+        inst = stack.pop()
+        if inst is not None and id(inst) not in seen:
+            seen.add(id(inst))
+            stack.extend(inst.operands)
+    if len(seen) == len(entry.instructions):
+        return module
+    live = Computation(entry.name, [i for i in entry.instructions if id(i) in seen], entry.root)
+    return Module(module.name, live, module.computations, module.mesh, is_partitioned=module.is_partitioned)
+
+
 def _groups(live: _Liveness, outputs: set[str]) -> list[list[_Value]]:
     """Alias groups: a dynamic-update-slice with its operand 0 when it is that value's only reader."""
     parent = {n: n for n in live.values}
@@ -319,6 +338,7 @@ def assign_buffers(module: Module) -> BufferAssignment:
     """
     if not module.is_partitioned:
         raise ValueError(f"module {module.name!r} is not partitioned; assign-buffers needs per-device shapes")
+    module = _live_part(module)
     live = _Liveness(module)
     outputs = set(live.src[id(module.entry.root)])
     groups = sorted(_groups(live, outputs), key=lambda g: (-g[0].size, g[0].write[0]))

@@ -21,14 +21,22 @@ S32 = Shape("s32")
 class Oracle:
     """Happens-before by explicit graph reachability over the ops of a scheduled entry computation.
 
-    Ops: every entry instruction but parameters, constants, *-done and tuple. Edges: program
+    Ops: every entry instruction the root depends on but parameters, constants, *-done and tuple
+    (the runtime runs nothing else: a dead instruction's waits order nothing). Edges: program
     order per stream, and producer -> consumer across streams (the consumer waits). A value is
     written by its op (an async-start writes its called computation's values) and read by the
     ops that use it (an async-start's called computation reads at the start).
     """
 
     def __init__(self, module: Module) -> None:
-        insts = module.entry.instructions
+        root = module.entry.root
+        live, stack = set(), [root]  # only what the root depends on runs (the lowering drops the rest)
+        while stack:
+            i = stack.pop()
+            if id(i) not in live:
+                live.add(id(i))
+                stack.extend(i.operands)
+        insts = [i for i in module.entry.instructions if id(i) in live]
         self.views = view_instructions(module)
         self.pos = {id(i): k for k, i in enumerate(insts)}
         self.writer: dict[str, int] = {}
