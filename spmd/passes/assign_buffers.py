@@ -106,7 +106,7 @@ class _Value:
 class _Liveness:
     """Values, their accesses and the vector clocks of one scheduled entry computation."""
 
-    def __init__(self, module: Module) -> None:
+    def __init__(self, module: Module, view_names: frozenset[str] | set[str] | None = None) -> None:
         self.comp = module.entry
         self.values: dict[str, _Value] = {}
         self.src: dict[int, list[str]] = {}       # id(instruction) -> value names it denotes
@@ -116,7 +116,7 @@ class _Liveness:
         self.accumulate: list[tuple[str, Instruction]] = []  # (operand value, add of its shape)
         self.heap: set[str] = set()  # values the runtime allocates outside the arena (HEAP_OPCODES)
         self.folded = folded_instructions(self.comp)  # computed on the host by the lowering: no bytes, no op
-        names = view_instructions(module)
+        names = view_instructions(module) if view_names is None else view_names
         self.views = {id(i) for i in self.comp.instructions if i.name in names}
         self._walk()
 
@@ -338,8 +338,9 @@ def assign_buffers(module: Module) -> BufferAssignment:
     """
     if not module.is_partitioned:
         raise ValueError(f"module {module.name!r} is not partitioned; assign-buffers needs per-device shapes")
+    views = view_instructions(module)  # as the lowering decides them: over the whole module
     module = _live_part(module)
-    live = _Liveness(module)
+    live = _Liveness(module, views)
     outputs = set(live.src[id(module.entry.root)])
     groups = sorted(_groups(live, outputs), key=lambda g: (-g[0].size, g[0].write[0]))
     placed: list[tuple[int, int, list[_Value]]] = []  # (offset, aligned size, group)
