@@ -171,8 +171,8 @@ class Adam(Optimizer):
         _check_update(self, params, grads, state)
         beta1, beta2 = self.betas
         step = state["step"] + 1
-        step_size = (self.lr / _bias_correction(beta1, step)).to(torch.float32)
-        bc2_sqrt = torch.sqrt(_bias_correction(beta2, step)).to(torch.float32)
+        step_size = self.lr / _bias_correction(beta1, step)  # float64, as torch.optim's Python floats
+        bc2_sqrt = torch.sqrt(_bias_correction(beta2, step))
         new_params, m_new, v_new = {}, {}, {}
         for k, p in params.items():
             g = grads[k]
@@ -183,8 +183,8 @@ class Adam(Optimizer):
             m = state["exp_avg"][k]
             m = m + (1 - beta1) * (g - m)  # torch.lerp with weight < 0.5
             v = state["exp_avg_sq"][k] * beta2 + (1 - beta2) * (g * g)
-            denom = torch.sqrt(v) / bc2_sqrt.to(v.dtype) + self.eps
-            new_params[k] = p - step_size.to(p.dtype) * (m / denom)
+            denom = torch.sqrt(v) / _scalar_as(bc2_sqrt, v.dtype) + self.eps
+            new_params[k] = p - _scalar_as(step_size, p.dtype) * (m / denom)
             m_new[k], v_new[k] = m, v
         return new_params, {"step": step, "exp_avg": m_new, "exp_avg_sq": v_new}
 
@@ -200,6 +200,16 @@ class AdamW(Adam):
     weight_decay: float = 1e-2
 
     decoupled = True
+
+
+def _scalar_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 0-d hyper-parameter ``x`` as the scalar torch.optim's kernels use for a ``dtype`` tensor.
+
+    ATen reads a Python-float scalar at the tensor's op-math precision: float64 for float64
+    tensors, float32 for float32 and the 16-bit types (then rounded to the tensor's dtype here,
+    as the traced elementwise ops compute in it).
+    """
+    return x.to(dtype) if dtype == torch.float64 else x.to(torch.float32).to(dtype)
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> tuple[dict, torch.Tensor]:

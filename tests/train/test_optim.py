@@ -46,6 +46,26 @@ def test_matches_torch_optim_eager_and_jitted(opt, factory):
     assert float(jstate["step"].to_torch()) == 6.0
 
 
+@pytest.mark.parametrize("opt,factory", CASES[:2], ids=["AdamW", "Adam"])
+def test_float64_matches_torch_optim_to_float64_precision(opt, factory):
+    """float64 parameters keep float64 step sizes (torch.optim's Python floats), eagerly and jitted."""
+    torch.manual_seed(2)
+    init = {"w": torch.randn(6, 5, dtype=torch.float64)}
+    ref = {k: v.clone().requires_grad_() for k, v in init.items()}
+    topt = factory(list(ref.values()))
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    update = spmd.jit(lambda p, g, s: opt.update(p, g, s), mesh=mesh, in_shardings=({"w": P("dp")}, None, None))
+    eager, state, jitted, jstate = dict(init), opt.init(init), dict(init), opt.init(init)
+    for _ in range(4):
+        grads = {"w": torch.randn(6, 5, dtype=torch.float64)}
+        ref["w"].grad = grads["w"].clone()
+        topt.step()
+        eager, state = opt.update(eager, grads, state)
+        jitted, jstate = update(jitted, grads, jstate)
+    torch.testing.assert_close(eager["w"], ref["w"].detach(), rtol=0, atol=1e-14)
+    torch.testing.assert_close(jitted["w"].to_torch(), ref["w"].detach(), rtol=0, atol=1e-14)
+
+
 def test_clip_grad_norm_matches_torch():
     torch.manual_seed(1)
     grads = {"a": torch.randn(4, 3) * 5, "b": torch.randn(7)}
