@@ -75,13 +75,27 @@ def _check_update(opt: Optimizer, params: dict, grads: dict, state: dict) -> Non
     if not isinstance(state, dict) or set(state) != expected:
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state: expected keys {sorted(expected)} (from {type(opt).__name__}.init), got {got}")
+    for k, p in params.items():
+        _check_like(f"grads[{k!r}]", grads[k], p)
+    if not isinstance(state["step"], torch.Tensor) or state["step"].dim() != 0:
+        raise TypeError(f"state['step']: expected a 0-d tensor (from {type(opt).__name__}.init), got "
+                        f"{_describe(state['step'])}")
     for slot in opt.slots():
+        if not isinstance(state[slot], dict):
+            raise TypeError(f"state[{slot!r}]: expected a dict of tensors keyed like params (from "
+                            f"{type(opt).__name__}.init), got {type(state[slot]).__name__}")
         for k, p in params.items():
-            buf = state[slot].get(k)
-            if buf is None or tuple(buf.shape) != tuple(p.shape):
-                got = None if buf is None else tuple(buf.shape)
-                raise ValueError(f"state[{slot!r}][{k!r}]: expected shape {tuple(p.shape)} like its parameter, "
-                                 f"got {got}")
+            _check_like(f"state[{slot!r}][{k!r}]", state[slot].get(k), p)
+
+
+def _describe(t) -> str:
+    return f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_like(what: str, t, p: torch.Tensor) -> None:
+    """ValueError unless ``t`` is a tensor with ``p``'s shape and dtype (as torch.optim's grads and state)."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+        raise ValueError(f"{what}: expected shape {tuple(p.shape)} {p.dtype} like its parameter, got {_describe(t)}")
 
 
 def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:

@@ -103,3 +103,22 @@ def test_update_checks_state_against_params():
         opt.update(params, {"w": torch.ones(3, 2)}, state)
     with pytest.raises(ValueError, match="grads: expected the keys"):
         opt.update(params, {"v": torch.ones(3, 2)}, opt.init(params))
+
+
+@pytest.mark.parametrize("opt", [AdamW(), SGD(lr=1e-2, momentum=0.9)], ids=["AdamW", "SGD"])
+def test_update_checks_grads_and_state_shape_dtype_and_type(opt):
+    """Grads and state buffers must match their parameter's shape and dtype (torch.optim's invariant):
+    a mismatch is a ValueError naming the entry, never a broadcast error or a silently promoted parameter."""
+    params = {"w": torch.ones(3, 2)}
+    slot = opt.slots()[0]
+    with pytest.raises(ValueError, match=r"grads\['w'\]: expected shape \(3, 2\) torch.float32 .*got shape \(2, 2\)"):
+        opt.update(params, {"w": torch.ones(2, 2)}, opt.init(params))
+    with pytest.raises(ValueError, match=r"grads\['w'\]: .* got shape \(3, 2\) torch.float64"):
+        opt.update(params, {"w": torch.ones(3, 2, dtype=torch.float64)}, opt.init(params))
+    state64 = opt.init({"w": torch.ones(3, 2, dtype=torch.float64)})
+    with pytest.raises(ValueError, match=rf"state\['{slot}'\]\['w'\]: .* got shape \(3, 2\) torch.float64"):
+        opt.update(params, {"w": torch.ones(3, 2)}, state64)
+    with pytest.raises(TypeError, match=rf"state\['{slot}'\]: expected a dict of tensors"):
+        opt.update(params, {"w": torch.ones(3, 2)}, {**opt.init(params), slot: torch.zeros(3, 2)})
+    with pytest.raises(TypeError, match=r"state\['step'\]: expected a 0-d tensor"):
+        opt.update(params, {"w": torch.ones(3, 2)}, {**opt.init(params), "step": 0})
