@@ -418,8 +418,20 @@ def _baddbmm(em: Emitter, a: dict, val) -> Instruction:
 
 
 # --------------------------------------------------------------------------- nn ops (custom calls)
+def _require_floating(val, what: str) -> None:
+    """TypeError (reported as an unsupported operation at the user's line) unless ``val`` is floating.
+
+    PyTorch has no integer / bool kernel for these ops (eager raises NotImplementedError); the
+    fake tensors of tracing do not check, so the error would otherwise come from the runtime.
+    """
+    if not val.dtype.is_floating_point:
+        raise TypeError(f"{what}: expected a floating-point input (PyTorch has no {val.dtype} kernel), got "
+                        f"{val.dtype}; cast it first (e.g. x.float())")
+
+
 @register(aten.softmax.int, aten._softmax.default, aten._safe_softmax.default)
 def _softmax(em: Emitter, a: dict, val) -> Instruction:
+    _require_floating(val, "softmax")
     x = em.convert(a["self"], out_dtype(val))
     config = {"dim": norm_dim(a["dim"], x.shape.rank)}
     return em.custom_call("softmax", [x], x.shape, config)
@@ -433,6 +445,7 @@ def _log_softmax(em: Emitter, a: dict, val) -> Instruction:
     dim (``serial_vec_log_softmax_lastdim_range`` in ATen's ``LogSoftmaxKernelImpl.h``) also
     rounds the sum and its log to the 16-bit type, so on a CPU mesh that dim does too.
     """
+    _require_floating(val, "log_softmax")
     out = em.convert(a["self"], out_dtype(val))
     x = _opmath(em, out)
     d = norm_dim(a["dim"], x.shape.rank)
@@ -514,12 +527,14 @@ def _sdpa(em: Emitter, a: dict, val) -> Instruction:
 
 @register(aten.gelu.default)
 def _gelu(em: Emitter, a: dict, val) -> Instruction:
+    _require_floating(val, "gelu")
     x = a["self"]
     return em.custom_call("gelu", [x], x.shape, {"approximate": a["approximate"]})
 
 
 @register(aten.silu.default)
 def _silu(em: Emitter, a: dict, val) -> Instruction:
+    _require_floating(val, "silu")
     return em.custom_call("silu", [a["self"]], a["self"].shape)
 
 

@@ -192,3 +192,25 @@ def test_a_16bit_row_parallel_dot_reduce_scatters_float32_partials():
     assert "f32[4,16] reduce-scatter(" in text, text
     assert "bf16[8,16] all-reduce" not in text
     torch.testing.assert_close(f(x, w).to_torch(), F.linear(x, w), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,fn", [("gelu", F.gelu), ("silu", F.silu), ("softmax", lambda x: torch.softmax(x, 0)),
+                                     ("log_softmax", lambda x: torch.log_softmax(x, 0))])
+def test_float_only_ops_on_integers_are_unsupported_op_errors_at_compile_time(name, fn):
+    """PyTorch has no integer kernel for these (eager raises NotImplementedError); tracing used to pass
+    and the runtime raised NotImplementedError from inside a thunk."""
+    from spmd.frontend.aten_common import UnsupportedOpError
+
+    x = torch.randint(-5, 5, (4,))
+    with pytest.raises(NotImplementedError):
+        fn(x)
+    with pytest.raises(UnsupportedOpError, match=rf"{name}: expected a floating-point input .* got torch.int64"):
+        spmd.jit(fn, mesh=MESH2, in_shardings=P("tp"))(x)
+
+
+def test_softmax_of_integers_with_a_float_dtype_matches_eager():
+    x = torch.randint(-5, 5, (4, 3))
+    for fn in (lambda t: torch.softmax(t, 0, dtype=torch.float32),
+               lambda t: torch.log_softmax(t, 1, dtype=torch.float64)):
+        got = spmd.jit(fn, mesh=MESH2, in_shardings=P("tp"))(x).to_torch()
+        torch.testing.assert_close(got, fn(x))
