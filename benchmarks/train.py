@@ -14,8 +14,10 @@ machine hits all of them alike; the median step time over rounds is reported, wi
 memory (CUDA ``max_memory_allocated`` over the timed steps, reset per variant) and, for the spmd
 variants, the peak the compiler plans for the step (``TrainStep.memory_analysis()``: arguments,
 arena, heap temporaries and outputs live at once; ``spmd.runtime.memory``). ``spmd-remat`` is the
-spmd step with activation recomputation (``CompileOptions(remat=--remat)``, default "full"). The
-result is printed as a markdown table and, with ``--doc``, appended to that file as a dated row set.
+spmd step with activation recomputation (``CompileOptions(remat=--remat)``, default "full");
+``spmd-nomof`` the spmd step without multi-output fusion (``CompileOptions(multi_output_fusion=False)``:
+three optimizer-update kernels per parameter instead of one). The result is printed as a markdown
+table and, with ``--doc``, appended to that file as a dated row set.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-VARIANTS = ("eager", "compile", "spmd", "spmd-math", "spmd-remat")
-DEFAULT_VARIANTS = ("eager", "compile", "spmd")  # spmd-math, spmd-remat: on request
+VARIANTS = ("eager", "compile", "spmd", "spmd-math", "spmd-remat", "spmd-nomof")
+DEFAULT_VARIANTS = ("eager", "compile", "spmd")  # spmd-math, spmd-remat, spmd-nomof: on request
 
 
 def build_model(args):
@@ -68,7 +70,7 @@ def _torch_step(model, x, y, compiled: bool) -> Callable[[], None]:
 
 
 def _spmd_step(model, x, y, device: str, fused_attention: bool = True,
-               remat: str = "none") -> Callable[[], None]:
+               remat: str = "none", multi_output_fusion: bool = True) -> Callable[[], None]:
     """The spmd step as a closure; its ``planned_peak_gib()`` is the compiled step's planned peak (GiB)."""
     from spmd import CompileOptions, Mesh
     from spmd.train import AdamW, make_train_step
@@ -76,7 +78,8 @@ def _spmd_step(model, x, y, device: str, fused_attention: bool = True,
     mesh = Mesh.create(("dp",), devices=f"{device}:1")
     ts = make_train_step(model, mesh, None, lambda apply, b: F.mse_loss(apply(b["x"]), b["y"]),
                          optimizer=AdamW(lr=1e-4, weight_decay=0.1),
-                         options=CompileOptions(fused_attention_grad=fused_attention, remat=remat))
+                         options=CompileOptions(fused_attention_grad=fused_attention, remat=remat,
+                                                multi_output_fusion=multi_output_fusion))
     batch = {"x": ts.place_batch({"x": x})["x"], "y": ts.place_batch({"y": y})["y"]}
 
     def step():
@@ -98,7 +101,8 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
         t0 = time.perf_counter()
         if v.startswith("spmd"):
             steps[v] = _spmd_step(model, x, y, args.device, fused_attention=v != "spmd-math",
-                                  remat=args.remat if v == "spmd-remat" else "none")
+                                  remat=args.remat if v == "spmd-remat" else "none",
+                                  multi_output_fusion=v != "spmd-nomof")
         else:
             steps[v] = _torch_step(model, x, y, v == "compile")
         for _ in range(args.warmup):
@@ -162,8 +166,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a dry run)")
     ap.add_argument("--variants", default=None, help="comma-separated from eager,compile,spmd,spmd-math,"
-                    "spmd-remat (spmd-math: attention's backward as dots and softmax; spmd-remat: with "
-                    "--remat; default: eager,compile,spmd on cuda, eager,spmd on cpu)")
+                    "spmd-remat,spmd-nomof (spmd-math: attention's backward as dots and softmax; spmd-remat: "
+                    "with --remat; spmd-nomof: without multi-output fusion; default: eager,compile,spmd on "
+                    "cuda, eager,spmd on cpu)")
     ap.add_argument("--remat", choices=("selective", "full"), default="full",
                     help="activation recomputation of the spmd-remat variant (default full)")
     ap.add_argument("--rounds", type=int, default=5)

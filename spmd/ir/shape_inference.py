@@ -191,10 +191,13 @@ def _async(opcode: str, ops: list[Shape], attrs: dict, num_partitions: int | Non
     if opcode == "fusion":
         comp = attrs["calls"]
         params = [p.shape for p in comp.parameters]
-        if params != ops or comp.root is None or comp.root.shape.is_tuple:
+        root = comp.root.shape if comp.root is not None else None
+        outputs = root.tuple_shapes if root is not None and root.is_tuple else (root,)
+        if params != ops or root is None or any(s.is_tuple for s in outputs):
             raise _fail(opcode, f"operands ({', '.join(map(str, ops))}) do not match %{comp.name}'s parameters "
-                                f"({', '.join(map(str, params))}), or its root is not an array")
-        return comp.root.shape
+                                f"({', '.join(map(str, params))}), or its root is neither an array nor a tuple "
+                                f"of arrays (a multi-output fusion)")
+        return root
     if opcode == "async-start":
         comp = attrs["calls"]
         params = [p.shape for p in comp.parameters]

@@ -35,7 +35,9 @@ into C) instead of copying C first. Groups that contain an output are left to th
 runtime, and so are the results the runtime's kernels allocate themselves
 (``HEAP_OPCODES``: collectives, whose communicators return new tensors; fusions and
 custom calls, PyTorch functions without an ``out=`` form; ``spmd.runtime.lower`` never
-gives them an arena view): placing them would reserve arena bytes nobody writes.
+gives them an arena view): placing them would reserve arena bytes nobody writes. A
+multi-output fusion (``spmd.passes.multi_output_fusion``) has one value per tuple element
+(``element_name``), each read through its ``get-tuple-element``.
 Placement is best-fit over the conflicting groups, largest first (in the spirit of
 tinygrad's memory planner). Keys are the names of the writing instructions: for an
 async-start, the instructions of its called computation; for a collective start,
@@ -175,6 +177,10 @@ class _Liveness:
         elif op in _PAIR_STARTS:
             self._new(inst.name, inst.shape.tuple_shapes[1].size_bytes, at, op)
             self.src[id(inst)] = [inst.name]
+        elif op == "fusion" and inst.shape.is_tuple:  # a multi-output fusion: one value per element
+            self.src[id(inst)] = [element_name(inst.name, k) for k in range(len(inst.shape.tuple_shapes))]
+            for name, shape in zip(self.src[id(inst)], inst.shape.tuple_shapes, strict=True):
+                self._new(name, shape.size_bytes, at, op)
         elif not inst.shape.is_tuple:
             self._new(inst.name, inst.shape.size_bytes, at, op)
             self.src[id(inst)] = [inst.name]
@@ -229,6 +235,8 @@ class _Liveness:
             return [n for x in inst.operands for n in self.src[id(x)]]
         if inst.opcode == "get-tuple-element" and o.opcode == "tuple":
             return self.src[id(o.operands[inst.attrs["index"]])]
+        if inst.opcode == "get-tuple-element" and o.opcode == "fusion":
+            return [self.src[id(o)][inst.attrs["index"]]]
         return self.src[id(o)]
 
     def _new(self, name: str, size: int, at: tuple[int, int], opcode: str = "") -> None:
@@ -247,6 +255,11 @@ class _Liveness:
         if a[1] == b[1]:
             return a[0] < b[0]
         return self.vc[b[0]].get(a[1], -1) >= a[0]
+
+
+def element_name(fusion_name: str, index: int) -> str:
+    """The value name of element ``index`` of a multi-output fusion (no instruction has such a name)."""
+    return f"{fusion_name}#{index}"
 
 
 def _groups(live: _Liveness, outputs: set[str]) -> list[list[_Value]]:

@@ -85,7 +85,7 @@ class MachineProfile:
             raise ValueError(f"profile JSON does not match MachineProfile: {e}") from None
 
 
-# 2×H200 over NVLink (NV18), see /work/shared/ANCHORS.md and docs: bf16 GEMM ~790 TFLOP/s
+# 2×H200 over NVLink (NV18), see docs/benchmarks.md: bf16 GEMM ~790 TFLOP/s
 # (the half-size partial GEMMs of 8192x8192x28672 ran at ~800), copy-engine peer copy
 # 378 GB/s one way and 738 GB/s in total both ways at once (256 MiB, two streams; measured
 # with benchmarks/probe/cm_probe.py), NCCL all-gather / reduce-scatter ~230 GB/s each way,

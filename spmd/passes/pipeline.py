@@ -37,8 +37,8 @@ HIDDEN_GATHER_DISCOUNT = 0.1
 
 STAGES = ("import", "propagate-sharding", "spmd-partition", "simplify", "cse", "reduce-scatter-creator",
           "all-reduce-reuse", "sink-scale", "windowed-einsum", "merge-dots", "fuse-attention", "hoist-weights",
-          "split-batch", "combine-collectives", "fuse-elementwise", "rematerialize", "select-all-reduce",
-          "assign-streams", "async-collectives", "schedule")
+          "split-batch", "combine-collectives", "fuse-elementwise", "rematerialize", "multi-output-fusion",
+          "select-all-reduce", "assign-streams", "async-collectives", "schedule")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ class CompileOptions:
         definition (dots and a softmax over the ``[..., Sq, Sk]`` scores) instead.
       fuse_elementwise: group chains of elementwise ops, reductions and norms into ``fusion``
         instructions, each run as one generated kernel on GPU (``spmd.passes.fuse_elementwise``).
+      multi_output_fusion: merge loop fusions that read the same operand, or feed one another while
+        their values are used elsewhere too, into one fusion with several outputs (one kernel: an
+        optimizer's moment and parameter updates; ``spmd.passes.multi_output_fusion``).
       hoist_weights: compute values that depend only on weights (``spmd.jit``'s ``weight_argnums``,
         ``spmd.parallelize``'s parameters; merged weights, casts of weights) once per weight
         version instead of on every call (``spmd.passes.hoist_weights``; the runtime caches them
@@ -97,7 +100,8 @@ class CompileOptions:
         ``small_all_reduce`` mode, a negative ``small_all_reduce_max_bytes``, a
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
-        ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise``, ``hoist_weights`` or
+        ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise``, ``multi_output_fusion``,
+        ``hoist_weights`` or
         ``async_collectives`` not a bool (or None where allowed); ``num_compute_streams``,
         ``bucket_size_bytes`` or ``small_all_reduce_max_bytes`` not an int; ``dump_dir`` not a path.
         ValueError: a negative ``bucket_size_bytes``.
@@ -111,6 +115,7 @@ class CompileOptions:
     fuse_attention: bool = True
     fused_attention_grad: bool = True
     fuse_elementwise: bool = True
+    multi_output_fusion: bool = True
     hoist_weights: bool = True
     split_batch_overlap: str = "auto"
     remat: str = "none"
@@ -143,8 +148,8 @@ class CompileOptions:
             value = getattr(self, name)
             if not (value is None or isinstance(value, bool)):
                 raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
-        for name in ("merge_dots", "fuse_attention", "fused_attention_grad", "fuse_elementwise", "hoist_weights",
-                     "async_collectives"):
+        for name in ("merge_dots", "fuse_attention", "fused_attention_grad", "fuse_elementwise",
+                     "multi_output_fusion", "hoist_weights", "async_collectives"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")
@@ -223,6 +228,7 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
     from spmd.passes.fuse_elementwise import FuseElementwise
     from spmd.passes.hoist_weights import HoistWeights
     from spmd.passes.merge_dots import MergeDots
+    from spmd.passes.multi_output_fusion import MultiOutputFusion
     from spmd.passes.propagate_sharding import PropagateSharding
     from spmd.passes.reduce_scatter_creator import ReduceScatterCreator
     from spmd.passes.rematerialize import Rematerialize
@@ -256,6 +262,7 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
         CombineCollectives(bucket_size_bytes=options.bucket_size_bytes),
         FuseElementwise(enabled=options.fuse_elementwise),
         Rematerialize(mode=options.remat, max_copies=options.remat_max_copies),
+        MultiOutputFusion(enabled=options.multi_output_fusion and options.fuse_elementwise),
         SelectAllReduce(mode=options.small_all_reduce, max_bytes=options.small_all_reduce_max_bytes,
                         process_ids=tuple(process_ids), cuda_graphs=options.cuda_graphs is not False),
         AssignStreams(**streams_kwargs),

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Shape
 from spmd.runtime.fusions import is_fresh
+from spmd.runtime.multi_output import writer_index
 
 
 def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[int],
@@ -45,12 +46,13 @@ def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[
         p = producer.get(slot)
         if p is None or p in plan or "spec" in ops[p].extra or ops[p].inst.shape.is_tuple:
             continue
-        reads = set(ops[p].ins)  # the parameter an update reads first (an in-place update), then in order
+        w = writer_index(ops, p)  # a multi-output fusion writes its elements' buffers itself
+        reads = set(ops[w].ins)  # the parameter an update reads first (an in-place update), then in order
         for i in sorted(donated - used, key=lambda i: (param_slots[i] not in reads, i)):
             if param_shapes[i] != ops[p].inst.shape:
                 continue
             aliases = _aliases(ops, param_slots[i])
-            if aliases & outputs or not _safe(ops, p, param_slots[i], aliases):
+            if aliases & outputs or not _safe(ops, w, param_slots[i], aliases):
                 continue
             plan[p] = i
             used.add(i)

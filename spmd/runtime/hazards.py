@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spmd.runtime.thunks import CollectiveThunk, KernelThunk, RecordEventThunk, WaitEventThunk
+from spmd.runtime.thunks import CollectiveThunk, KernelThunk, MultiOutputKernelThunk, RecordEventThunk, WaitEventThunk
 
 _Loc = tuple  # ("arena", lo, hi) | ("slot", s) | ("param", view index)
 
@@ -58,7 +58,9 @@ class _Memory:
     def write_locs(self, th: KernelThunk | CollectiveThunk) -> frozenset:
         """Locations ``th`` writes; records them as the memory of its result slot."""
         p = self.program
-        if isinstance(th, KernelThunk) and th.buffer >= 0:
+        if isinstance(th, MultiOutputKernelThunk):  # its elements' buffers, else fresh memory
+            own = frozenset({("slot", th.out)}).union(*(self._buffer_locs(b) for b in th.buffers if b >= 0))
+        elif isinstance(th, KernelThunk) and th.buffer >= 0:
             if th.buffer < len(p.arena_views):
                 v = p.arena_views[th.buffer]
                 own = frozenset({("arena", v.offset_bytes, v.offset_bytes + _view_bytes(v))})
@@ -72,6 +74,13 @@ class _Memory:
             own = frozenset({("slot", th.out)})
         self.own[th.out] = own
         return own
+
+    def _buffer_locs(self, b: int) -> frozenset:
+        """Locations of arena view ``b`` (or donated parameter buffer ``b`` past the arena views)."""
+        if b < len(self.program.arena_views):
+            v = self.program.arena_views[b]
+            return frozenset({("arena", v.offset_bytes, v.offset_bytes + _view_bytes(v))})
+        return frozenset({("param", b)})
 
     def locs(self, slot: int) -> frozenset:
         """Every location the value of ``slot`` may occupy."""

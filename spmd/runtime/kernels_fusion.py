@@ -94,9 +94,14 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
     """Kernel ``(operands, out) -> Tensor`` for a ``fusion`` instruction.
 
     Operands are the fusion's operand tensors (any strides), all on one device; the result is
-    a fresh contiguous tensor of ``inst.shape`` (copied into ``out`` when given).
+    a fresh contiguous tensor of ``inst.shape`` (copied into ``out`` when given). A tuple-shaped
+    fusion (several outputs) gets ``spmd.runtime.kernels_fusion_multi``'s kernel instead.
     """
     body: Computation = inst.attrs["calls"]
+    if inst.shape.is_tuple:
+        from spmd.runtime.kernels_fusion_multi import build_multi_output_fusion
+
+        return build_multi_output_fusion(inst, dev)
     structure = structure_key(body)
     in_place_ok = pointwise_parameters(body)
     prepared: dict[tuple, list] = {}  # (device, strides) -> [mode, op-by-op fn, compiled fn or None]
@@ -133,8 +138,17 @@ def pointwise_parameters(body: Computation) -> frozenset[int]:
     """Parameter numbers of ``body`` read only element for element at the root's index: every
     instruction reached from the parameter is elementwise and has the root's dims. The fused
     kernel may then store its result over such an operand (each element is read before the
-    thread that writes it stores), as an optimizer writes a parameter's update over it."""
-    root_dims = body.root.shape.dims
+    thread that writes it stores), as an optimizer writes a parameter's update over it.
+    With a ``tuple`` root (a multi-output fusion) every element must have the same dims, and
+    the parameter may reach the tuple only through elementwise instructions."""
+    root = body.root
+    if root.shape.is_tuple:
+        dims = {o.shape.dims for o in root.operands}
+        if root.opcode != "tuple" or len(dims) != 1:
+            return frozenset()
+        (root_dims,) = dims
+    else:
+        root_dims = root.shape.dims
     users = body.users()
     ok = set()
     for p in body.parameters:
@@ -145,6 +159,8 @@ def pointwise_parameters(body: Computation) -> frozenset[int]:
                 if id(u) in seen:
                     continue
                 seen.add(id(u))
+                if u is root and u.opcode == "tuple":
+                    continue
                 good = u.opcode in ELEMENTWISE_OPCODES and u.shape.dims == root_dims
                 stack.append(u)
         if good:

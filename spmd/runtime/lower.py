@@ -42,13 +42,14 @@ from spmd.ir.hlo import Computation, Instruction, Module
 from spmd.passes.folding import FOLD_MAX_NUMEL as FOLD_MAX_NUMEL  # re-exported: the folding threshold
 from spmd.passes.folding import is_foldable
 from spmd.passes.select_all_reduce import ALGORITHM_KEY
-from spmd.runtime import aliasing, fusions
+from spmd.runtime import aliasing, fusions, multi_output
 from spmd.runtime.donation import plan_donation
 from spmd.runtime.stream_joins import attach_releases, stream_joins
 from spmd.runtime.thunks import (
     CollectiveSpec,
     CollectiveThunk,
     KernelThunk,
+    MultiOutputKernelThunk,
     RecordEventThunk,
     Thunk,
     WaitEventThunk,
@@ -147,6 +148,7 @@ class _Lowerer:
         self.folded: dict[int, list[torch.Tensor]] = {}  # slot -> per local device host value
         self.ops: list[Op] = []
         self.param_slots: dict[int, int] = {}
+        self.multi_ops: dict[int, Op] = {}      # result slot -> op of a multi-output fusion
 
     def new_slot(self, inst: Instruction) -> int:
         self.num_slots += 1
@@ -186,6 +188,7 @@ class _Lowerer:
             return self.fold(inst, ins)
         slot = self.new_slot(inst)
         self.ops.append(Op(inst, sid, ins, slot, buffer_name=inst.name))
+        multi_output.mark(self.ops[-1], self.multi_ops)
         return slot
 
     def lower_async_start(self, inst: Instruction, sid: int) -> Any:
@@ -320,6 +323,7 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     clone = aliasing.output_clones(lw, output_slots, op_buffers, donated, plan)
     for t, k in enumerate(sorted(plan)):
         op_buffers[k] = len(arena_views) + t
+    multi_output.move_buffers(lw.ops, op_buffers)
     thunks, num_events = _build_thunks(lw, op_buffers, host_slots, gpu)
     attach_releases(thunks, lw, outputs, gpu)
     templates = _templates(lw, host_slots, gpu)
@@ -401,6 +405,10 @@ def _build_thunks(lw: _Lowerer, op_buffers: dict[int, int], host_slots: dict[int
             thunks.append(WaitEventThunk(f"wait.{op.inst.name}", op.stream, event_of[p]))
         if "spec" in op.extra:
             thunks.append(CollectiveThunk(op.inst.name, op.stream, op.extra["spec"], op.ins[0], op.out))
+        elif "element_buffers" in op.extra:
+            thunks.append(MultiOutputKernelThunk(op.inst.name, op.stream, _kernel(op, lw.devices[0] if lw.devices
+                                                                                else None), tuple(op.ins), op.out,
+                                                 work=_work(op), buffers=op.extra["element_buffers"]))
         else:
             dev = lw.devices[0] if lw.devices else None
             fn = op.fn if op.fn is not None else _kernel(op, dev)
@@ -427,7 +435,7 @@ def _work(op: Op) -> int:
         return op.extra["work"]
     inst = op.inst
     if inst.shape.is_tuple:
-        return 0
+        return sum(s.numel for s in inst.shape.tuple_shapes) if inst.opcode == "fusion" else 0
     return fusions.dot_work(inst) if inst.opcode == "dot" else inst.shape.numel
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spmd.ir.hlo import Instruction, Module
-from spmd.runtime.thunks import CollectiveThunk, KernelThunk
+from spmd.runtime.thunks import CollectiveThunk, KernelThunk, MultiOutputKernelThunk
 
 __all__ = ["MemoryAnalysis", "analyze_program", "memory_analysis"]
 
@@ -208,6 +208,10 @@ class _Heap:
 
 def _result_storage(th: KernelThunk, program, heap: _Heap, insts, output: bool) -> frozenset[int]:
     """Heap storages a kernel thunk's result keeps alive (a fresh one where it may allocate)."""
+    if isinstance(th, MultiOutputKernelThunk):  # fresh memory for the elements given no buffer
+        shapes = insts[th.name].shape.tuple_shapes if th.name in insts else ()
+        nbytes = sum(s.size_bytes for s, b in zip(shapes, th.buffers, strict=False) if b < 0)
+        return frozenset({heap.alloc(nbytes, output)}) if nbytes else frozenset()
     if th.buffer >= 0:
         return frozenset()  # an arena view (or a donated parameter's buffer): no heap bytes
     if th.out in program.in_place:

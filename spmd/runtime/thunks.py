@@ -56,6 +56,22 @@ class KernelThunk:
 
 
 @dataclass(eq=False)
+class MultiOutputKernelThunk(KernelThunk):
+    """A multi-output fusion's kernel: ``vals[out] = fn(operands, destinations)``, a tuple of tensors.
+
+    ``buffers``: per output element, the index of the arena view (or donated parameter buffer,
+    past the arena views) the kernel stores that element into, or -1 (fresh memory). The
+    get-tuple-element thunks that follow read the elements out of ``vals[out]``.
+    """
+
+    buffers: tuple[int, ...] = ()
+
+    def run(self, vals: list, views: list, env: Any) -> None:
+        dests = [views[b] if b >= 0 else None for b in self.buffers]
+        vals[self.out] = self.fn([vals[i] for i in self.ins], dests)
+
+
+@dataclass(eq=False)
 class RecordEventThunk:
     """Record event ``event_id`` on stream ``stream_id`` (the producer side of a stream join)."""
 

@@ -4,7 +4,7 @@
 same function backs the hypothesis tests (which shrink) and the seeded sweep.
 
 Features (``ALL_FEATURES``, ``default_features()``) switch parts of the generator on; ``KNOWN_OPEN`` names features
-that hit a bug recorded in /work/notes/fuzz_findings.md and being fixed elsewhere: the CI slice
+that hit a recorded, not yet fixed bug: the CI slice
 leaves them out (``ci_features()``) until the fix lands, the sweep keeps them.
 """
 

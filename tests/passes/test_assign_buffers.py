@@ -473,3 +473,34 @@ def test_an_operand_read_through_a_transpose_keeps_its_bytes():
     ba = assign_buffers(m)
     Oracle(m).check(ba)
     assert "t" in view_instructions(m) and ba.offsets_bytes["h"] != ba.offsets_bytes["s"]
+
+
+def test_multi_output_fusion_elements_are_separate_values():
+    """Each element of a tuple-shaped fusion is its own (runtime-allocated) value, read through its
+    get-tuple-element; the arena value computed from element 0 is placed, the elements are not."""
+    from spmd.passes.assign_buffers import _Liveness, element_name
+    from spmd.passes.multi_output_fusion import MultiOutputFusion
+    from tests.passes.multi_output_fusion_programs import ADAMW
+
+    mod = parse_module(ADAMW.replace(
+        "ROOT %out = (f32[8,4], f32[8,4], f32[8,4]) tuple(%fp, %fm, %fv)",
+        "%e = f32[8,4] exponential(%fm)\n  %n = f32[8,4] negate(%e)\n"
+        "  ROOT %out = (f32[8,4], f32[8,4], f32[8,4]) tuple(%fp, %n, %fv)"))
+    MultiOutputFusion().run(mod)
+    verify_module(mod)
+    (fusion,) = [i for i in mod.entry.instructions if i.opcode == "fusion"]
+    live = _Liveness(mod)
+    names = [element_name(fusion.name, k) for k in range(3)]
+    assert live.src[id(fusion)] == names and all(n in live.heap for n in names)
+    by_gte = {i.attrs["index"]: live.src[id(i)] for i in mod.entry.instructions if i.opcode == "get-tuple-element"}
+    assert by_gte == {k: [n] for k, n in enumerate(names)}
+    (reader,) = [i for i in mod.entry.instructions if i.opcode == "exponential"]
+    element = live.values[names[_gte_index(mod, reader)]]
+    assert element.readers == [reader]
+    ba = assign_buffers(mod)
+    assert "e" in ba.offsets_bytes and not any(n in ba.offsets_bytes for n in names)
+
+
+def _gte_index(mod, reader) -> int:
+    (gte,) = reader.operands
+    return gte.attrs["index"]
