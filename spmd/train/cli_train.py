@@ -88,6 +88,8 @@ def _check(args) -> None:
         raise CliError(f"--lr: expected a finite number > 0, got {args.lr}")
     if args.hidden % args.heads:
         raise CliError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    if args.task == "minilm" and args.seq > 512:
+        raise CliError(f"--seq: minilm has 512 positions, got {args.seq}")
     _check_paths(args)
 
 

@@ -42,6 +42,7 @@ def test_bad_arguments_are_one_line_errors(capsys):
     (["--plot", "/proc/no-such-dir/loss.png"], "--plot: cannot create directory '/proc/no-such-dir'"),
     (["--ckpt-dir", "/proc/no-such-dir"], "--ckpt-dir: cannot create directory '/proc/no-such-dir'"),
     (["--fsdp", "--mesh", "tp=4"], "--fsdp: shards parameters over the dp axis, which needs 2 or more devices"),
+    (["--task", "minilm", "--seq", "513"], "--seq: minilm has 512 positions, got 513"),  # was a 20 KB tracing error
 ])
 def test_bad_values_and_paths_are_one_line_errors_before_training(capsys, extra, message):
     assert main(["train", *TINY, "--steps", "1", *extra]) == 2
