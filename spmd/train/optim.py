@@ -64,6 +64,10 @@ class Optimizer:
 def _check_params(params, what: str) -> None:
     if not isinstance(params, dict) or not all(isinstance(v, torch.Tensor) for v in params.values()):
         raise TypeError(f"{what}: expected a dict of tensors, got {type(params).__name__}")
+    if what == "params":
+        for k, p in params.items():
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"params[{k!r}]: expected a floating-point parameter (as torch.optim), got {p.dtype}")
 
 
 def _check_update(opt: Optimizer, params: dict, grads: dict, state: dict) -> None:
@@ -110,6 +114,8 @@ class SGD(Optimizer):
     Per parameter p with gradient g (PyTorch docs, torch.optim.SGD):
       g ← g + weight_decay·p;  b ← g at the first step, else momentum·b + (1 − dampening)·g;
       g ← g + momentum·b (nesterov) or b;  p ← p − lr·g.
+    Each ``x + c·y`` is ``torch.add(x, y, alpha=c)`` as in torch.optim (one rounding: eagerly the
+    result equals torch.optim.SGD bit for bit in every floating dtype).
     Raises TypeError for a non-number hyper-parameter, ValueError for one out of range or
     ``nesterov`` with zero momentum or non-zero dampening (as torch.optim.SGD).
     """
@@ -139,13 +145,13 @@ class SGD(Optimizer):
         for k, p in params.items():
             d_p = grads[k]
             if self.weight_decay != 0:
-                d_p = d_p + self.weight_decay * p
+                d_p = torch.add(d_p, p, alpha=self.weight_decay)
             if self.momentum != 0:
-                later = state["momentum_buffer"][k] * self.momentum + (1 - self.dampening) * d_p
+                later = torch.add(state["momentum_buffer"][k] * self.momentum, d_p, alpha=1 - self.dampening)
                 buf = torch.where(first, d_p, later)
                 bufs[k] = buf
-                d_p = d_p + self.momentum * buf if self.nesterov else buf
-            new_params[k] = p - self.lr * d_p
+                d_p = torch.add(d_p, buf, alpha=self.momentum) if self.nesterov else buf
+            new_params[k] = torch.add(p, d_p, alpha=-self.lr)
         new_state: dict = {"step": state["step"] + 1}
         if self.momentum != 0:
             new_state["momentum_buffer"] = bufs

@@ -122,3 +122,34 @@ def test_update_checks_grads_and_state_shape_dtype_and_type(opt):
         opt.update(params, {"w": torch.ones(3, 2)}, {**opt.init(params), slot: torch.zeros(3, 2)})
     with pytest.raises(TypeError, match=r"state\['step'\]: expected a 0-d tensor"):
         opt.update(params, {"w": torch.ones(3, 2)}, {**opt.init(params), "step": 0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kwargs", [dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+                                    dict(momentum=0.9, dampening=0.3, weight_decay=0.01), {}],
+                         ids=["nesterov", "dampening", "plain"])
+def test_sgd_eager_equals_torch_optim_bit_for_bit(dtype, kwargs):
+    """x + c·y as torch.add(x, y, alpha=c), as torch.optim.SGD computes it (two roundings were 1 ulp off)."""
+    torch.manual_seed(3)
+    w = torch.randn(64, dtype=dtype)
+    ref = w.clone().requires_grad_()
+    topt = torch.optim.SGD([ref], lr=0.1, **kwargs)
+    opt = SGD(lr=0.1, **kwargs)
+    params, state = {"w": w}, opt.init({"w": w})
+    for _ in range(5):
+        g = torch.randn(64, dtype=dtype)
+        ref.grad = g.clone()
+        topt.step()
+        params, state = opt.update(params, {"w": g}, state)
+    assert torch.equal(params["w"], ref.detach())
+
+
+@pytest.mark.parametrize("opt", [AdamW(), SGD(lr=1e-2, momentum=0.9)], ids=["AdamW", "SGD"])
+def test_integer_parameters_are_a_type_error(opt):
+    """An int64 parameter used to come back from update() as float32."""
+    params = {"w": torch.ones(3, 2), "n": torch.ones(2, dtype=torch.int64)}
+    with pytest.raises(TypeError, match=r"params\['n'\]: expected a floating-point parameter .* got torch.int64"):
+        opt.init(params)
+    state = opt.init({"w": params["w"]})
+    with pytest.raises(TypeError, match=r"params\['n'\]: expected a floating-point parameter"):
+        opt.update(params, {k: torch.ones_like(v) for k, v in params.items()}, {**state})
