@@ -255,8 +255,9 @@ def spmd_variant(p: Problem, si: SpmdInputs, options: dict[str, Any], ref: Any |
     """
     spmd, P = si.spmd, si.spmd.PartitionSpec
     xs, ws, outs = SPECS[p.side]
+    # 16-bit partial sums, as the peers (PyTorch async TP, XLA) reduce-scatter them: same bytes on the wire
     f = spmd.jit(matmul, mesh=si.mesh, in_shardings=(P(*xs), P(*ws)), out_shardings=P(*outs),
-                 options=spmd.CompileOptions(**options))
+                 options=spmd.CompileOptions(**{"float32_partial_sums": False, **options}))
     t0 = time.perf_counter()
     lowered = f.lower(*si.args)
     compiled = lowered.compile()

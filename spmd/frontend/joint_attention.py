@@ -61,7 +61,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, mask, is_causal, scale):
     lead = q.shape[:-1]
-    return (q.new_empty(*lead, v.shape[-1]), q.new_empty(*lead, v.shape[-1] + stat_columns(q.dtype)))
+    return (q.new_empty(*lead, v.shape[-1]), q.new_empty(*lead, v.shape[-1] + stat_columns(q.dtype, v.shape[-1])))
 
 
 @torch.library.custom_op("spmd::attention_bwd", mutates_args=())
@@ -196,7 +196,7 @@ def _convert_fwd(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
     q, k, v, mask = a["q"], a["k"], a["v"], a["mask"]
     masks = _mask_operand(em, mask, q, k)
     dv = v.shape.dims[-1]
-    width = dv + stat_columns(q.shape.torch_dtype)
+    width = dv + stat_columns(q.shape.torch_dtype, dv)
     packed = em.custom_call("attention-forward", [q, k, v, *masks], Shape(q.shape.dtype, q.shape.dims[:-1] + (width,)),
                             _config(a["is_causal"], a["scale"], bool(masks)))
     out = em.slice(packed, [(0, n, 1) for n in q.shape.dims[:-1]] + [(0, dv, 1)])

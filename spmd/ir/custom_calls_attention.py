@@ -16,8 +16,11 @@ q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]``; mask broadcast to `
 
 A custom call has one array result, so the forward packs its two results into one: the attention
 output in columns ``[0, Dv)`` and the per-row log-sum-exp of the scaled scores (float32, float64
-for float64 inputs) bit-packed into the ``c`` columns after them (``c = stat_columns(dtype)``: 2
-for 16-bit types, else 1). The importer slices the output off the packed value and hands the
+for float64 inputs) bit-packed into the ``c = stat_columns(dtype, Dv)`` columns after them: the
+value's own columns (2 for 16-bit types, else 1), or a 16-byte block (8 for 16-bit types, 4 for
+float32, 2 for float64; the rest zero) when an output row is 16-byte aligned and at least 128
+bytes, so that packed rows stay aligned and the backward reads the output slice in place. The
+importer slices the output off the packed value and hands the
 packed value itself to the backward, so the statistics are an ordinary value that buffer
 assignment keeps alive from forward to backward. The backward's dq, dk and dv are packed the
 same way along the last dim (each flattened over its last two dims), and sliced apart after.
@@ -54,8 +57,20 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def stat_columns(dtype: torch.dtype) -> int:
-    """Columns of ``dtype`` that hold one log-sum-exp value in the packed forward result."""
+STAT_BLOCK_BYTES = 16  # the log-sum-exp block of a packed row: keeps aligned rows aligned
+
+
+def stat_columns(dtype: torch.dtype, dv: int) -> int:
+    """Columns of ``dtype`` after the ``dv`` output columns of the packed forward result: the
+    log-sum-exp value's ``_stat_width(dtype)`` columns, widened to a 16-byte block when an output
+    row is 16-byte aligned and at least 128 bytes (the block then keeps packed rows aligned, so
+    the backward reads the output in place, for at most 1/8 more bytes than the output)."""
+    width, row = _stat_width(dtype), dv * dtype.itemsize
+    return max(width, STAT_BLOCK_BYTES // dtype.itemsize) if row % 16 == 0 and row >= 128 else width
+
+
+def _stat_width(dtype: torch.dtype) -> int:
+    """Columns of ``dtype`` that one log-sum-exp value (``stat_dtype``) occupies."""
     return max(1, stat_dtype(dtype).itemsize // dtype.itemsize)
 
 
@@ -75,7 +90,7 @@ def check_result_shape(target: str, operand_shapes, shape) -> None:
                          f"{[str(o) for o in operand_shapes]}")
     q, k, v = (o.dims for o in operand_shapes[:3])
     if target == "attention-forward":
-        dims = (*q[:-1], v[-1] + stat_columns(shape.torch_dtype))
+        dims = (*q[:-1], v[-1] + stat_columns(shape.torch_dtype, v[-1]))
     else:
         dims = (*q[:-2], 1, grads_width(q, k, v))
     if shape.dtype != operand_shapes[0].dtype or tuple(shape.dims) != dims:
@@ -89,6 +104,18 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
     if t.dim() < 4:
         return t.reshape(-1, 1, *t.shape[-2:])
     return t.flatten(0, -4) if t.dim() > 4 else t
+
+
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as is when its last dim is dense and its rows are 16-byte aligned (stride 1 and every
+    other stride and the start a multiple of 16 bytes: what the fused kernels read directly; the
+    other strides are free, so transposed views of a projection's output go in without a copy),
+    else a contiguous copy (the packed forward result's rows of ``Dv + stat_columns`` elements are
+    aligned when ``stat_columns`` widens to a block: the backward then reads the output in place)."""
+    size = t.element_size()
+    aligned = t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1],
+                                                                                strict=True) if n > 1)
+    return t if aligned and (t.shape[-1] <= 1 or t.stride(-1) == 1) else t.contiguous()
 
 
 def _bias(mask: torch.Tensor | None, q4: torch.Tensor, k4: torch.Tensor, lead) -> torch.Tensor | None:
@@ -204,7 +231,7 @@ def _forward4(q, k, v, bias, causal, scale, kind):
 
 
 def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention-forward``: q, k, v[, mask] -> packed ``[..., Sq, Dv + stat_columns]`` (q's dtype).
+    """``attention-forward``: q, k, v[, mask] -> packed ``[..., Sq, Dv + stat_columns(dtype, Dv)]`` (q's dtype).
 
     Columns ``[0, Dv)`` hold softmax(q kᵀ·scale + mask) v; the rest the float32 (float64)
     log-sum-exp of each row's scaled, masked scores, bit-packed. Written into ``out`` when given.
@@ -212,16 +239,19 @@ def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.T
     q, k, v = operands[:3]
     mask = operands[3] if config.get("has_mask", len(operands) > 3) else None
     lead = q.shape[:-2]
-    q4, k4, v4 = (_as4d(t).contiguous() for t in (q, k, v))
+    q4, k4, v4 = (_dense_last(_as4d(t)) for t in (q, k, v))
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])
     attn, lse = _forward4(q4, k4, v4, bias, causal, scale, _choose(q4, k4, v4, bias, causal, scale, config))
     stats = lse.contiguous().unsqueeze(-1).view(q.dtype)
-    result = _target(out, q, (*lead, q.shape[-2], v.shape[-1] + stats.shape[-1]))
+    dv, width = v.shape[-1], stats.shape[-1]
+    result = _target(out, q, (*lead, q.shape[-2], dv + stat_columns(q.dtype, dv)))
     packed = result.view(*q4.shape[:-1], result.shape[-1])
-    packed[..., :v.shape[-1]].copy_(attn)
-    packed[..., v.shape[-1]:].copy_(stats)
+    packed[..., :dv].copy_(attn)
+    packed[..., dv:dv + width].copy_(stats)
+    if packed.shape[-1] > dv + width:
+        packed[..., dv + width:].zero_()
     return _written(out, result)
 
 
@@ -266,11 +296,11 @@ def attention_backward(operands: list[torch.Tensor], config: Config, out: torch.
     q, k, v, packed, do = operands[:5]
     mask = operands[5] if config.get("has_mask", len(operands) > 5) else None
     lead, dv_size = q.shape[:-2], v.shape[-1]
-    q4, k4, v4 = (_as4d(t).contiguous() for t in (q, k, v))
+    q4, k4, v4 = (_dense_last(_as4d(t)) for t in (q, k, v))
     p4 = _as4d(packed)
-    attn = p4[..., :dv_size].contiguous()
-    lse = p4[..., dv_size:].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
-    do4 = _as4d(do).contiguous().to(q.dtype)
+    attn = _dense_last(p4[..., :dv_size])  # o in place when its rows (Dv + c elements) are aligned
+    lse = p4[..., dv_size:dv_size + _stat_width(q.dtype)].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
+    do4 = _dense_last(_as4d(do)).to(q.dtype)
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])

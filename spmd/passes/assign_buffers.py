@@ -17,8 +17,9 @@ earlier, or b's stream has (transitively) waited for a's stream at or after a
 therefore live to the end: this is the seed hazard of XLA's multi-stream windowed
 einsum (openxla/xla#8707), where two GEMMs on different streams must not share
 memory. Because the runtime may fuse a dot into its single same-stream add /
-dynamic-update-slice user (``spmd.runtime.fusions``), the dot's operands count as
-read at that user too, and the dot's waits are taken at the user.
+dynamic-update-slice user (``spmd.runtime.fusions``; an add also through a reshape view
+that is the dot's only user), the dot's operands count as read at that user too, and the
+dot's waits are taken at the user.
 
 A view (``spmd.passes.views``: a reshape, transpose, broadcast or slice that runs as a
 torch view of its operand) gets no bytes: like ``tuple`` it denotes its operand's values,
@@ -165,6 +166,8 @@ class _Liveness:
             for n in self.src[id(o)]:
                 self._read(n, at, inst)
         user = users[inst][0] if len(users[inst]) == 1 else None
+        if op == "dot" and user is not None and id(user) in self.views and len(users[user]) == 1:
+            user = users[user][0]  # a reshape view between the dot and its add: the runtime's addmm goes through it
         if (op == "dot" and user is not None and (user.stream_id or 0) == stream
                 and user.opcode in ("add", "dynamic-update-slice")):
             upos = self.comp.instructions.index(user)
@@ -189,7 +192,10 @@ class _Liveness:
             elif op == "add":
                 # a single-use dot operand runs inside the runtime's addmm: the other operand is C
                 fused = [o for o in inst.operands if o.opcode == "dot" and len(users[o]) == 1]
-                gemm_reads = {n for d in fused for x in d.operands for n in self.src[id(x)]}  # A and B
+                fused += [o for o in inst.operands if id(o) in self.views and o.opcode == "reshape"
+                          and len(users[o]) == 1 and o.operands[0].opcode == "dot" and len(users[o.operands[0]]) == 1]
+                dots = [o.operands[0] if o.opcode == "reshape" else o for o in fused]
+                gemm_reads = {n for d in dots for x in d.operands for n in self.src[id(x)]}  # A and B
                 self.accumulate += [(self.src[id(o)][0], inst) for o in inst.operands
                                     if len(self.src[id(o)]) == 1 and o.shape == inst.shape and o not in fused
                                     and id(o) not in self.views  # read in place, not through a transpose

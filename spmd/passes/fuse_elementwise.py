@@ -6,13 +6,15 @@ full pass over memory plus a launch. This pass groups them as XLA's loop fusion 
 (xla/service/instruction_fusion.cc, "kLoop" fusions): a consumer absorbs its producers when
 every user of the producer is in the group, and duplicates cheap producers (broadcast, reshape,
 transpose, slice, scalar constants, iota) that have other users, as well as cheap elementwise
-producers (add, multiply, ...) whose users can all fuse them (each consumer recomputes the
-producer, whose own kernel then goes away: a residual add read by a LayerNorm and by the next
-residual add). A recomputed producer takes its own operands as inputs (one level: recomputing
+producers (add, multiply, ..., and the activations silu and gelu) whose users can all fuse
+them (each consumer recomputes the producer, whose own kernel then goes away: a residual add
+read by a LayerNorm and by the next residual add; SwiGLU's silu(gate) read by the forward's
+product and by the backward). A recomputed producer takes its own operands as inputs (one level: recomputing
 a chain of residual sums in every layer's norm would read every earlier layer's output). An
 ``add`` of a single-use dot and a bias or residual is left to the runtime's addmm (but a float32
-bias add read only by fusing ops joins their fusion, see ``_is_addmm_operand``). Each group
-with at least two ops that would launch a kernel becomes::
+bias add read only by fusing ops joins their fusion, see ``_is_addmm_operand``). A fusion
+whose only user is a transpose absorbs it (``absorb_transposes``: the kernel writes the
+transposed order). Each group with at least two ops that would launch a kernel becomes::
 
     %fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual), kind=kLoop, calls=%fused_computation
 
@@ -21,12 +23,16 @@ where ``%fused_computation`` holds the group's instructions on parameters. The r
 (PyTorch Inductor on CUDA devices), or op by op elsewhere.
 
 Fusible: elementwise opcodes, broadcast, reshape, transpose, slice, concatenate (of at most 8
-operands), constants, iota, reduce (add / maximum / minimum) and the custom calls ``gelu``,
-``silu``, ``layer-norm``, ``softmax``. A concatenate launches a kernel of its own when unfused;
-fused, it is a select between its operands per output element (Inductor's pointwise cat: rotary
-embeddings' ``cat(-x2, x1)`` then costs no kernel beside the multiply-adds that read it). Not
-fused: dots (cuBLAS), collectives, gathers, dynamic slices, pads, longer concatenates (collective
-buckets), other custom calls, anything with a tuple shape or no elements, values the lowering folds on
+operands, and only as a producer inside a consumer's group: a concatenate feeding a collective
+is no group root), ``pad`` without interior or negative padding, constants, iota, reduce (add /
+maximum / minimum) and the custom calls ``gelu``, ``silu``, ``layer-norm``, ``softmax``. A
+concatenate or pad launches a kernel of its own when unfused; fused, it is a select between
+its operands (and the fill value) per output element (Inductor's pointwise cat: rotary
+embeddings' ``cat(-x2, x1)`` then costs no kernel beside the multiply-adds that read it; its
+backward, the pads ``simplify`` makes of ``slice_scatter`` into zeros, likewise; XLA's loop
+fusion takes both). Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, other pads,
+longer concatenates (collective buckets), other custom calls, anything with a tuple shape or no
+elements, values the lowering folds on
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
 and partition-id) and ops inside called computations. Members of a group share one stream id,
 and the group has at least one operand. An ``add`` of a single-use dot and a broadcast (a
@@ -61,6 +67,7 @@ FUSIBLE_CUSTOM_CALLS = frozenset({"gelu", "silu", "layer-norm", "softmax", "rand
 #: Ops that cost no kernel of their own (views or literals): duplicated into a group when shared.
 CHEAP_OPCODES = frozenset({"broadcast", "reshape", "transpose", "slice", "constant", "iota"})
 _FUSIBLE_OPCODES = ELEMENTWISE_OPCODES | CHEAP_OPCODES | frozenset({"reduce"})
+_NO_ROOT_OPCODES = CHEAP_OPCODES | frozenset({"concatenate"})  # fused into a consumer's group only
 #: A concatenate of more operands (a collective bucket) stays one ATen ``cat`` kernel: Inductor
 #: lowers a longer cat as a copy kernel per operand (``max_pointwise_cat_inputs``).
 MAX_FUSED_CONCAT_OPERANDS = 8
@@ -69,6 +76,10 @@ _REDUCERS = frozenset({"add", "maximum", "minimum"})
 #: producers when all their users can fuse them, so that the producer's own kernel goes away).
 DUPLICABLE_OPCODES = frozenset({"add", "subtract", "multiply", "negate", "maximum", "minimum", "select",
                                 "compare", "convert", "abs"})
+#: Custom calls recomputed the same way: an activation whose value the forward's gated product and
+#: the backward both read (SwiGLU's silu(gate)) is recomputed in both fusions instead of being
+#: a kernel whose result is stored and read twice (Inductor recomputes it as well).
+DUPLICABLE_CUSTOM_CALLS = frozenset({"silu", "gelu"})
 FUSED_COMPUTATION = "fused_computation"
 
 
@@ -84,6 +95,8 @@ def is_fusible(inst: Instruction) -> bool:
         return root is not None and root.opcode in _REDUCERS and len(inst.operands) == 2
     if op == "constant":
         return inst.shape.numel == 1
+    if op == "pad":
+        return all(lo >= 0 and hi >= 0 and interior == 0 for lo, hi, interior in inst.attrs["padding"])
     if op == "concatenate":  # Inductor's pointwise cat takes up to 8 inputs (else a copy per input)
         return len(inst.operands) <= MAX_FUSED_CONCAT_OPERANDS
     return op in _FUSIBLE_OPCODES
@@ -119,7 +132,7 @@ class FuseElementwise:
         taken: set[int] = set(folded_instructions(comp))  # the lowering computes these on the host
         groups: list[_Group] = []
         for inst in reversed(comp.instructions):
-            if id(inst) in taken or not is_fusible(inst) or inst.opcode in CHEAP_OPCODES:
+            if id(inst) in taken or not is_fusible(inst) or inst.opcode in _NO_ROOT_OPCODES:
                 continue
             if (not users[inst] and inst is not comp.root) or _is_addmm_operand(inst, None, users):
                 continue  # dead (every user recomputes it), or left for the addmm peephole
@@ -131,12 +144,55 @@ class FuseElementwise:
         builder = Builder(module, comp)
         for group in groups:
             _outline(module, builder, comp, group)
+        if groups and absorb_transposes(module, builder, comp):
+            _drop_unused_computations(module)
         if groups:
             comp.remove_dead()
             # equal chains (each layer's position arithmetic, say) became equal fusions: keep one
             cse_computation(comp, merge_scalar_broadcasts=True, structural_calls=True)
             _drop_unused_computations(module)
         return module
+
+
+def absorb_transposes(module: Module, builder: Builder, comp: Computation) -> int:
+    """A fusion whose only user is a transpose computes the transposed value itself; the number absorbed.
+
+    The fused kernel then writes its result in the transposed order (one generated kernel,
+    any output order), so readers that need the transposed value row-major, as a reshape that
+    merges the transposed dims (the [B, H, S, D] -> [B*S, H*D] of attention's dq / dk after the
+    rotary backward), read it as a view instead of a copy. Output values are left alone.
+    """
+    users, outputs = comp.users(), _output_ids(comp)
+    done = 0
+    for t in list(comp.instructions):
+        f = t.operands[0] if t.opcode == "transpose" else None
+        if (f is None or f.opcode != "fusion" or users.get(f) != [t] or id(t) in outputs or id(f) in outputs
+                or f.stream_id != t.stream_id):
+            continue
+        old = f.attrs["calls"]
+        body = Builder.new_computation(module, FUSED_COMPUTATION)
+        clones: dict[int, Instruction] = {}
+        for i in old.instructions:
+            if i.opcode == "parameter":
+                clones[id(i)] = body.param(i.shape, name=i.name, number=i.attrs["parameter_number"])
+            else:
+                clones[id(i)] = body.add(i.opcode, [clones[id(o)] for o in i.operands], i.attrs, shape=i.shape,
+                                         name=i.name, location=i.location)
+        body.set_root(body.add("transpose", [clones[id(old.root)]], {"dimensions": t.attrs["dimensions"]},
+                               shape=t.shape, name=t.name, location=t.location))
+        with builder.insert_before(t):
+            new = builder.add("fusion", list(f.operands), dict(f.attrs, calls=body.computation), shape=t.shape,
+                              name="fusion", sharding=t.sharding, stream_id=t.stream_id, location=f.location)
+        comp.replace_all_uses(t, new)
+        comp.instructions = [i for i in comp.instructions if i is not t and i is not f]
+        users = comp.users()
+        done += 1
+    return done
+
+
+def _output_ids(comp: Computation) -> set[int]:
+    root = comp.root
+    return {id(root), *(id(o) for o in root.operands)} if root.opcode == "tuple" else {id(root)}
 
 
 def _drop_unused_computations(module: Module) -> None:
@@ -224,8 +280,21 @@ def _retire(group: _Group, users: dict, entry_root: Instruction) -> None:
 
 def _duplicable(p: Instruction, users: dict, stream_id: int | None) -> bool:
     """A cheap elementwise producer whose every user may fuse it: recomputed in each consumer."""
-    return p.opcode in DUPLICABLE_OPCODES and all(is_fusible(u) and u.stream_id == stream_id
-                                                   for u in users[p])
+    cheap = p.opcode in DUPLICABLE_OPCODES or (p.opcode == "custom-call"
+                                               and p.attrs.get("custom_call_target") in DUPLICABLE_CUSTOM_CALLS)
+    return cheap and all(_takes_producer(u, users, stream_id) for u in users[p])
+
+
+def _takes_producer(u: Instruction, users: dict, stream_id: int | None, depth: int = 0) -> bool:
+    """Whether ``u`` can recompute a producer inside a fusion: a fusible kernel on the stream, or a
+    view-like op (no group root of its own) whose users all can. A reshape that only dots read
+    cannot: the producer would keep its own kernel for it, and recomputing it elsewhere would
+    only cut the chain below it off into a fusion of its own."""
+    if not is_fusible(u) or u.stream_id != stream_id:
+        return False
+    if u.opcode not in _NO_ROOT_OPCODES:
+        return True
+    return depth < 4 and all(_takes_producer(w, users, stream_id, depth + 1) for w in users.get(u, ()))
 
 
 def _is_addmm_operand(p: Instruction, user: Instruction, users: dict) -> bool:

@@ -93,6 +93,12 @@ class CompileOptions:
         copies the group's operands into fixed staging buffers and reduces them locally) instead
         of the ring (``spmd.passes.select_all_reduce``).
       small_all_reduce_max_bytes: the size threshold of ``small_all_reduce`` (bytes per device).
+      float32_partial_sums: a bf16 / f16 dot whose contracting dims are split over devices
+        computes each device's partial product in float32, sums the partials in float32 (twice
+        the all-reduce / reduce-scatter bytes) and rounds once, as one device's GEMM does (and
+        adds a linear layer's bias before that rounding, as ATen's GEMM epilogue does); False
+        sums 16-bit partials (XLA's and PyTorch async tensor parallelism's choice: half the
+        bytes, each device's term rounded to 16 bits before the sum).
       dump_dir: write the HLO text after every stage there (also ``SPMD_DUMP``).
       verify: verify the module after every pass (also ``SPMD_VERIFY=1``).
     Raises:
@@ -101,9 +107,9 @@ class CompileOptions:
         ``num_compute_streams`` < 1, or a ``dump_dir`` that is an existing file (or lies under one).
       TypeError: ``bidirectional``, ``cuda_graphs``, ``verify``, ``merge_dots``,
         ``fuse_attention``, ``fused_attention_grad``, ``fuse_elementwise``, ``multi_output_fusion``,
-        ``hoist_weights`` or
-        ``async_collectives`` not a bool (or None where allowed); ``num_compute_streams``,
-        ``bucket_size_bytes`` or ``small_all_reduce_max_bytes`` not an int; ``dump_dir`` not a path.
+        ``hoist_weights``, ``async_collectives`` or ``float32_partial_sums`` not a bool (or None where
+        allowed); ``num_compute_streams``, ``bucket_size_bytes`` or ``small_all_reduce_max_bytes``
+        not an int; ``dump_dir`` not a path.
         ValueError: a negative ``bucket_size_bytes``.
     """
 
@@ -124,6 +130,7 @@ class CompileOptions:
     async_collectives: bool = True
     small_all_reduce: str = "auto"
     small_all_reduce_max_bytes: int = 512 * 1024
+    float32_partial_sums: bool = True
     dump_dir: str | None = None
     verify: bool | None = None
 
@@ -149,7 +156,7 @@ class CompileOptions:
             if not (value is None or isinstance(value, bool)):
                 raise TypeError(f"{name} must be True, False or None, got {type_name(value)} {value!r}")
         for name in ("merge_dots", "fuse_attention", "fused_attention_grad", "fuse_elementwise",
-                     "multi_output_fusion", "hoist_weights", "async_collectives"):
+                     "multi_output_fusion", "hoist_weights", "async_collectives", "float32_partial_sums"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {type_name(value)} {value!r}")
@@ -247,8 +254,8 @@ def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> 
     # A windowed einsum overlaps an operand all-gather with its dot, so such gathers cost little.
     discount = 1.0 if options.windowed_einsum == "off" else HIDDEN_GATHER_DISCOUNT
     return [
-        PropagateSharding(dot_gather_discount=discount),
-        SpmdPartition(dot_gather_discount=discount),
+        PropagateSharding(dot_gather_discount=discount, float32_partial_sums=options.float32_partial_sums),
+        SpmdPartition(dot_gather_discount=discount, float32_partial_sums=options.float32_partial_sums),
         Simplify(),
         CSE(),
         ReduceScatterCreator(),

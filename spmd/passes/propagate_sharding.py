@@ -49,6 +49,8 @@ class PropagateSharding:
       dot_gather_discount: weight of the bytes of an all-gather feeding a dot, when choosing
         which dot operand keeps a contested mesh axis (below 1 when a windowed einsum can hide
         that all-gather behind the dot).
+      float32_partial_sums: a 16-bit dot is never left partial (spmd-partition sums its float32
+        partial products at the dot; ``CompileOptions.float32_partial_sums``).
     Raises (from ``run``):
       ValueError: a user sharding names an axis the mesh lacks or has the wrong rank.
     """
@@ -56,6 +58,7 @@ class PropagateSharding:
     name: ClassVar[str] = "propagate-sharding"
     max_sweeps: int = 64
     dot_gather_discount: float = 1.0
+    float32_partial_sums: bool = True
 
     def run(self, module: Module) -> Module:
         """Set ``sharding`` on every array-shaped entry instruction; returns ``module``."""
@@ -63,6 +66,7 @@ class PropagateSharding:
             raise ValueError(f"module {module.name!r}: expected an unpartitioned module")
         comp = module.entry
         state = _State(module, self.dot_gather_discount)
+        state.float32_partial_sums = self.float32_partial_sums
         state.hints = _constraint_hints(comp)
         for phase in range(2):
             for _ in range(self.max_sweeps):
@@ -101,6 +105,7 @@ class _State:
         self.mesh = module.mesh
         self.gather_discount = gather_discount
         self.fixed: set[int] = set()
+        self.float32_partial_sums = True
         for inst in module.entry.instructions:
             if inst.sharding is not None:
                 _check(inst, self.mesh)
@@ -117,7 +122,8 @@ class _State:
     def _set(self, inst: Instruction, s: TensorSharding) -> bool:
         if inst.sharding is not None or id(inst) in self.fixed or inst.shape.is_tuple:
             return False
-        if inst.opcode == "parameter" or (inst.opcode == "dot" and inst.shape.dtype in HALF_FLOATS):
+        if inst.opcode == "parameter" or (inst.opcode == "dot" and inst.shape.dtype in HALF_FLOATS
+                                          and self.float32_partial_sums):
             s = s.with_partial(())  # a 16-bit dot's partial sum is reduced in float32 at the dot (spmd-partition)
         inst.sharding = normalize(s, self.mesh)
         return True

@@ -28,6 +28,12 @@ Rewrites (each instruction is replaced by one of the same shape):
 - ``reshape(reshape(x))`` -> ``reshape(x)``; ``transpose(transpose(x))`` -> one transpose of
   x by the composed permutation; ``broadcast(broadcast(x))`` -> one broadcast of x by the
   composed dims map. XLA: HandleReshape / HandleTranspose / HandleBroadcast.
+- ``dynamic-update-slice(broadcast(s), update, starts...)`` of a scalar ``s`` at constant starts
+  -> ``pad(update, s)`` with the update's position as low / high padding (XLA:
+  HandleDynamicUpdateSlice). ``aten.slice_scatter`` into ``new_zeros`` (the backward of a
+  slice: rotary embeddings' ``rotate_half``) imports as such an update; as a pad it is no
+  longer a copy of a full-size zero buffer plus an in-place write, and ``fuse-elementwise``
+  fuses it into its consumer.
 - an ``all-reduce`` / ``all-gather`` / ``reduce-scatter`` / ``all-to-all`` whose replica groups
   are single devices (a mesh axis of size 1) -> the operand (XLA: AllReduceSimplifier).
 - a ``reshape`` to the operand's own dims, a ``transpose`` by the identity permutation, a
@@ -90,6 +96,8 @@ class NewOp:
     operand: Instruction
     dimensions: tuple[int, ...] | None
     absorbed: Instruction
+    more: tuple[Instruction, ...] = ()  # operands after ``operand``
+    attrs: tuple[tuple[str, object], ...] = ()  # attributes other than ``dimensions``
 
 
 def simplify_computation(module: Module, comp: Computation) -> int:
@@ -199,6 +207,19 @@ def _is_identity_broadcast(x: Instruction, inst: Instruction, dims: tuple[int, .
     return x.shape == inst.shape and dims == tuple(range(len(dims)))
 
 
+def _dynamic_update_slice(inst: Instruction) -> Instruction | NewOp | None:
+    """An update into a broadcast scalar at constant starts -> a pad of the update with that scalar."""
+    base, update, starts = inst.operands[0], inst.operands[1], inst.operands[2:]
+    if (base.opcode != "broadcast" or base.operands[0].shape.rank != 0 or update.shape.is_tuple
+            or any(s.opcode != "constant" or s.shape.rank != 0 for s in starts)):
+        return None
+    padding = []
+    for s, n, u in zip(starts, inst.shape.dims, update.shape.dims, strict=True):
+        lo = min(max(int(s.attrs["literal"]), 0), n - u)  # HLO clamps the start into [0, n - u]
+        padding.append((lo, n - u - lo, 0))
+    return NewOp("pad", update, None, base, more=(base.operands[0],), attrs=(("padding", tuple(padding)),))
+
+
 def _collective(inst: Instruction) -> Instruction | NewOp | None:
     """A collective whose every replica group is one device moves and reduces nothing -> the operand."""
     groups = inst.attrs.get("replica_groups")
@@ -218,6 +239,7 @@ _RULES = {
     "broadcast": _broadcast,
     "slice": _slice,
     "dynamic-slice": _dynamic_slice,
+    "dynamic-update-slice": _dynamic_update_slice,
 }
 
 
@@ -225,9 +247,10 @@ _RULES = {
 def _create(builder: Builder, old: Instruction, new: NewOp) -> Instruction:
     """``new`` as an instruction before ``old``, with old's shape, sharding, stream and location."""
     attrs = {"dimensions": new.dimensions} if new.dimensions is not None else {}
+    attrs.update(new.attrs)
     location = old.location if old.location is not None else new.absorbed.location
     with builder.insert_before(old):
-        return builder.add(new.opcode, [new.operand], attrs, shape=old.shape, name=old.name,
+        return builder.add(new.opcode, [new.operand, *new.more], attrs, shape=old.shape, name=old.name,
                            sharding=old.sharding, stream_id=old.stream_id, location=location)
 
 

@@ -47,14 +47,18 @@ class SpmdPartition:
     """The spmd-partition pass (see the module docstring).
 
     ``run(module)`` returns a new module with ``is_partitioned=True``. Instructions without a
-    sharding get one from ``PropagateSharding`` first. ``dot_gather_discount`` scales the cost
-    of all-gathering a dot operand when choosing a dot's plan (see ``sharding_rules._dot``).
+    sharding get one from ``PropagateSharding`` first. ``float32_partial_sums``: a 16-bit dot
+    whose contraction is split sums float32 partial products and rounds once (False: 16-bit
+    partials summed in 16 bits, as XLA and PyTorch's async tensor parallelism do).
+    ``dot_gather_discount`` scales the cost of all-gathering a dot operand when choosing a dot's
+    plan (see ``sharding_rules._dot``).
     Raises (from ``run``): ValueError for a partitioned input or one that already contains
     collectives, partition-id or async ops.
     """
 
     name: ClassVar[str] = "spmd-partition"
     dot_gather_discount: float = 1.0
+    float32_partial_sums: bool = True
 
     def run(self, module: Module) -> Module:
         """Partition ``module`` (see the class docstring)."""
@@ -64,18 +68,21 @@ class SpmdPartition:
             if inst.opcode in _NOT_ALLOWED:
                 raise ValueError(f"%{inst.name}: opcode {inst.opcode!r} is not allowed before spmd-partition")
         if any(i.sharding is None and not i.shape.is_tuple for i in module.entry.instructions):
-            module = PropagateSharding(dot_gather_discount=self.dot_gather_discount).run(module)
+            module = PropagateSharding(dot_gather_discount=self.dot_gather_discount,
+                                       float32_partial_sums=self.float32_partial_sums).run(module)
         entry = Computation(module.entry.name)
         out = Module(module.name, entry, list(module.computations), module.mesh, is_partitioned=True)
-        _Partitioner(out, module.entry, self.dot_gather_discount).run()
+        _Partitioner(out, module.entry, self.dot_gather_discount, self.float32_partial_sums).run()
         return out
 
 
 class _Partitioner:
     """Walks the global entry computation, emitting the local one."""
 
-    def __init__(self, out: Module, src: Computation, gather_discount: float = 1.0) -> None:
+    def __init__(self, out: Module, src: Computation, gather_discount: float = 1.0,
+                 float32_partial_sums: bool = True) -> None:
         self.gather_discount = gather_discount
+        self.float32_partial_sums = float32_partial_sums
         self.em = Emitter(out, out.entry)
         self.em._names.used |= {i.name for i in src.instructions}
         self.src = src
@@ -167,7 +174,8 @@ class _Partitioner:
         lhs, rhs = inst.operands
         ops = [mask_padding(self.em, ops[0], p.operands[0], lhs.shape.dims, lc, 0.0),
                mask_padding(self.em, ops[1], p.operands[1], rhs.shape.dims, rc, 0.0)]
-        if not (self.mesh.axes_size(p.result.partial) > 1 and inst.shape.dtype in HALF_FLOATS):
+        if not (self.float32_partial_sums and self.mesh.axes_size(p.result.partial) > 1
+                and inst.shape.dtype in HALF_FLOATS):
             return self._emit_local(inst, ops, p.result), p.result
         return self._widened_partial(inst, ops, p.result)
 

@@ -17,8 +17,8 @@ static ``slice`` (indexing) becomes a view of its operand 0 when
   view ops still are (they are views on any strides);
 - every user reads strided operands: dots, elementwise ops, reduce, concatenate, pad,
   gather, custom calls whose kernel is a torch function (layer-norm, softmax, gelu, silu,
-  attention), copy kernels of the view opcodes, dynamic-slice (operand 0) and
-  dynamic-update-slice (the update). Collectives and their starts, async-starts (windowed
+  attention, the training attention forward / backward), copy kernels of the view opcodes,
+  dynamic-slice (operand 0) and dynamic-update-slice (the update). Collectives and their starts, async-starts (windowed
   einsum computations), tuples, a dynamic-update-slice's operand 0 (written in place) and
   the ``Sharding`` identity call do not;
 - it is not the root (an output is its own memory) and is not folded by the runtime
@@ -44,7 +44,10 @@ from spmd.passes.folding import folded_instructions as folded_instructions  # re
 VIEW_OPCODES = frozenset({"reshape", "transpose", "broadcast", "slice"})
 _STRIDED_READERS = ELEMENTWISE_OPCODES | VIEW_OPCODES | frozenset({"dot", "reduce", "concatenate", "pad", "gather",
                                                                     "fusion"})
-_STRIDED_CUSTOM_CALLS = frozenset({"softmax", "layer-norm", "attention", "gelu", "silu"})
+#: custom calls whose kernels take strided operands (the attention kernels copy an operand only
+#: when its last dim is not dense: ``spmd.ir.custom_calls_attention``)
+_STRIDED_CUSTOM_CALLS = frozenset({"softmax", "layer-norm", "attention", "attention-forward", "attention-backward",
+                                   "gelu", "silu"})
 
 Strides = tuple[int, ...] | None  # element strides; None = not known statically
 

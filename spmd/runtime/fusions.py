@@ -8,7 +8,10 @@
     accumulation of XLA's windowed einsum loops (xla/service/spmd/dot_handler.cc), where the
     partial products land in slices of one output buffer.
 (b) ``add(dot(%a, %b), %c)`` (either order) where the dot has no other user and is a plain or
-    batched matrix product in the operands' dtype: ``torch.addmm`` / ``torch.baddbmm``.
+    batched matrix product in the operands' dtype: ``torch.addmm`` / ``torch.baddbmm``. The dot
+    may also reach the add through a view ``reshape`` that only splits its rows (a residual add
+    of a linear layer on ``[B, S, D]`` activations after ``view(B * S, D)``: the reshape's only
+    reader is the add): the addmm then writes the add's shape.
 
 (a) also takes a fused addmm of (b) as its update (``torch.addmm(c, a, b, out=view)``), and a
     2-d matrix product may land in any rectangle of a 2-d buffer (cuBLAS writes a stride-1
@@ -49,12 +52,16 @@ def is_fresh(inst) -> bool:
     return inst.opcode in FRESH_OPCODES
 
 
-def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | None = None) -> None:
+def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | None = None,
+         view_sources: set[int] | frozenset[int] = frozenset()) -> None:
     """Apply fusions (a), (b) and (c) to ``ops`` (a list of ``lower.Op``) in place.
 
-    ``folded``: slot -> per-device host values of the values folded at lowering time (the
-    dynamic-update-slice offsets); enables (c).
+    ``outputs``: slots no fusion may write or drop (program outputs). ``view_sources``: slots
+    that view ops read (never updated in place; a dot read only by a row-splitting reshape
+    view feeds (b) through it). ``folded``: slot -> per-device host values of the values folded
+    at lowering time (the dynamic-update-slice offsets); enables (c).
     """
+    blocked = set(outputs) | set(view_sources)
     readers: dict[int, list[int]] = {}
     for k, op in enumerate(ops):
         for s in op.ins:
@@ -65,17 +72,20 @@ def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | N
         if op.fn is not None or "spec" in op.extra:
             continue
         if op.inst.opcode == "dynamic-update-slice":
-            d = _fusable_dot(ops, producer, readers, outputs, op.ins[1], op.stream)
-            if d is not None and _dus_ok(ops, k, d, readers, outputs):
+            d = _fusable_dot(ops, producer, readers, blocked, op.ins[1], op.stream)
+            if d is not None and _dus_ok(ops, k, d, readers, blocked):
                 _fuse_dus(ops, k, d, producer, buffers)
                 removed.add(d)
         elif op.inst.opcode == "add":
             for pos in (0, 1):
-                d = _fusable_dot(ops, producer, readers, outputs, op.ins[pos], op.stream)
+                d = _fusable_dot(ops, producer, readers, blocked, op.ins[pos], op.stream)
+                v = None if d is not None else _row_split_view(ops, producer, readers, outputs, op.ins[pos], op.stream)
+                if v is not None:
+                    d = _fusable_dot(ops, producer, readers, outputs, ops[v].ins[0], op.stream)
                 if d is not None and "mm" not in ops[d].extra and _addmm_ok(
                         ops[d].inst, op.inst, op.inst.operands[1 - pos]):
                     _fuse_addmm(ops, k, d, op.ins[1 - pos])
-                    removed.add(d)
+                    removed.update((d,) if v is None else (d, v))
                     break
     if folded is not None:
         _skip_covered_inits(ops, producer, readers, removed, folded)
@@ -287,13 +297,35 @@ def _covers(ops, chain: list[int], folded: dict[int, list]) -> bool:
     return True
 
 
+def _row_split_view(ops, producer, readers, outputs, slot: int, stream: int) -> int | None:
+    """Index of the view op producing ``slot`` when it is a ``reshape`` of an unbatched dot's
+    result that only splits the rows (same last dim), read only by one op on ``stream``."""
+    v = producer.get(slot)
+    if v is None or slot in outputs or len(readers.get(slot, ())) != 1:
+        return None
+    op = ops[v]
+    if "view" not in op.extra or op.inst.opcode != "reshape" or op.stream != stream:
+        return None
+    src, dims = op.inst.operands[0].shape.dims, op.inst.shape.dims
+    if len(src) < 2 or len(dims) < 2 or src[-1] != dims[-1] or op.inst.operands[0].opcode != "dot":
+        return None
+    layout = _mm_layout(op.inst.operands[0])
+    return v if layout is not None and not layout[0] else None
+
+
 def _addmm_ok(dot_inst, add_inst, other) -> bool:
-    if _mm_layout(dot_inst) is None:
+    """The add of a dot and ``other`` as one addmm: equal dtypes, ``other`` of the add's dims, and
+    the dot's result of those dims (or, through a row-splitting reshape, of their rows flattened)."""
+    layout = _mm_layout(dot_inst)
+    if layout is None:
         return False
     dt = add_inst.shape.dtype
     lhs, rhs = dot_inst.operands
+    dims = add_inst.shape.dims
+    same = dot_inst.shape.dims == dims or (not layout[0] and dot_inst.shape.numel == add_inst.shape.numel
+                                           and dot_inst.shape.dims[-1] == dims[-1])
     return (dot_inst.shape.dtype == dt == lhs.shape.dtype == rhs.shape.dtype == other.shape.dtype
-            and other.shape.dims == dot_inst.shape.dims)
+            and other.shape.dims == dims and same)
 
 
 def _mm_layout(dot_inst) -> tuple[bool, bool] | None:
@@ -321,18 +353,19 @@ def _mm_layout(dot_inst) -> tuple[bool, bool] | None:
 def _fuse_addmm(ops, k: int, d: int, c_slot: int) -> None:
     batched, trans = _mm_layout(ops[d].inst)
     op = ops[k]
-    op.fn = make_addmm(batched, trans)
+    op.fn = make_addmm(batched, trans, op.inst.shape.dims)
     op.ins = [c_slot, *ops[d].ins]
     op.extra["work"] = dot_work(ops[d].inst)
     op.extra["mm"] = (batched, trans)
 
 
-def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
+def make_addmm(batched: bool, rhs_transposed: bool, dims: tuple[int, ...] | None = None) -> Callable:
     """Closure ``([c, a, b], out) -> c + a @ b`` on torch.addmm / torch.baddbmm (fusion (b)).
 
     Unbatched, an ``a`` of rank > 2 is flattened to 2-d (and ``c`` / ``out`` with it); a ``c``
     that is a row broadcast (stride 0 over rows) goes in as the 1-d bias, which cuBLASLt adds
-    in the GEMM epilogue.
+    in the GEMM epilogue. ``dims``: the result's dims when they split the product's rows
+    (unbatched only; default: ``a``'s leading dims and ``b``'s columns).
     """
     mm = torch.baddbmm if batched else torch.addmm
 
@@ -347,7 +380,7 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
             if in_place:
                 return out.baddbmm_(a, b)
             return mm(c, a, b) if out is None else mm(c, a, b, out=out)
-        dims = (*a.shape[:-1], b.shape[-1])
+        shape = dims if dims is not None else (*a.shape[:-1], b.shape[-1])
         a, c = a.reshape(-1, a.shape[-1]), c.reshape(-1, c.shape[-1])
         if in_place:
             o = out.view(-1, out.shape[-1])
@@ -358,7 +391,7 @@ def make_addmm(batched: bool, rhs_transposed: bool) -> Callable:
         if c.stride(0) == 0:
             c = c[0]
         if out is None:
-            return mm(c, a, b).view(dims)
+            return mm(c, a, b).view(shape)
         mm(c, a, b, out=out.view(-1, out.shape[-1]))
         return out
     return kernel

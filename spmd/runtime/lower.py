@@ -313,7 +313,7 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     outputs = set(output_slots)
     view_sources = aliasing.mark_analysis_views(lw, buffers)
     if fuse:  # a buffer that a view aliases is never updated in place by a fusion
-        fusions.fuse(lw.ops, outputs | view_sources, buffers, lw.folded)
+        fusions.fuse(lw.ops, outputs, buffers, lw.folded, view_sources)
     aliasing.mark_parameter_views(lw, donated)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)

@@ -171,6 +171,18 @@ def test_a_16bit_linear_with_bias_over_a_sharded_contraction_rounds_once(windowe
     assert "f32[16,3,8] add(" in f.lower(x, w, b).as_text("spmd-partition") or windowed_einsum == "on"
 
 
+def test_16_bit_partial_sums_on_request_reduce_scatter_in_bf16():
+    """``float32_partial_sums=False``: the partial products round to bf16 on each device and the
+    reduce-scatter moves bf16 (XLA's and PyTorch async TP's choice: half the bytes)."""
+    mesh = Mesh.create(("tp",), devices="cpu:2")
+    x, w = torch.randn(8, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    f = spmd.jit(F.linear, mesh=mesh, in_shardings=(P(None, "tp"), P(None, "tp")), out_shardings=P("tp"),
+                 options=spmd.CompileOptions(float32_partial_sums=False))
+    text = f.lower(x, w).as_text("reduce-scatter-creator")
+    assert "bf16[4,16] reduce-scatter(" in text and "f32[" not in text.split("ENTRY")[1], text
+    torch.testing.assert_close(f(x, w).to_torch(), F.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
 def test_a_16bit_dot_over_a_mesh_axis_of_one_device_stays_16_bit():
     """Nothing is summed over a 1-device axis: the dot stays one bf16 GEMM (no float32 result, no convert)."""
     mesh = Mesh.create({"dp": 2, "tp": 1}, devices="cpu:2")

@@ -27,7 +27,7 @@ def _run(q, k, v, mask, causal, scale, do, backend="auto"):
         config["scale"] = scale
     masks = [] if mask is None else [mask.expand(*q.shape[:-1], k.shape[-2])]
     packed = get_custom_call("attention-forward").fn([q, k, v, *masks], config)
-    assert packed.shape == (*q.shape[:-1], v.shape[-1] + stat_columns(q.dtype)) and packed.dtype == q.dtype
+    assert packed.shape == (*q.shape[:-1], v.shape[-1] + stat_columns(q.dtype, v.shape[-1])) and packed.dtype == q.dtype
     grads = get_custom_call("attention-backward").fn([q, k, v, packed, do, *masks], config)
     assert grads.shape == (*q.shape[:-2], 1, grads_width(q.shape, k.shape, v.shape))
     n_q, n_k = q.shape[-2] * q.shape[-1], k.shape[-2] * k.shape[-1]
@@ -133,7 +133,8 @@ def test_results_written_into_the_given_buffer():
     fwd, bwd = get_custom_call("attention-forward"), get_custom_call("attention-backward")
     assert fwd.writes_out and bwd.writes_out
     packed = fwd.fn([q, k, v], {})
-    for buf in (torch.full_like(packed, float("nan")), torch.full((2, 3, 5, 9), float("nan"))[..., :5]):
+    width = packed.shape[-1]
+    for buf in (torch.full_like(packed, float("nan")), torch.full((2, 3, 5, width + 4), float("nan"))[..., :width]):
         assert fwd.fn([q, k, v], {}, buf) is buf
         assert torch.equal(buf, packed)
     grads = bwd.fn([q, k, v, packed, do], {})
@@ -161,3 +162,40 @@ ENTRY %main (q: bf16[2,5,4], k: bf16[2,7,4], v: bf16[2,7,6], dout: bf16[2,5,6]) 
         verify_module(parse_module(text.format(c=7, w=90)))
     with pytest.raises(VerifyError, match="attention-backward: result must be bf16"):
         verify_module(parse_module(text.format(c=8, w=91)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_transposed_operands_and_the_saved_output_are_read_in_place(dtype):
+    """q, k, v and dout as transposes of [B, S, H, D] projections (rows 16-byte aligned) and the
+    output slice of the packed forward result (rows of D + a 16-byte stat block for D of 128 bytes
+    or more) reach the kernels without a copy: the kernels copy nothing of [B, H, S, D] size besides
+    packing their results. (D of 64 bytes: no block, and the backward copies the output.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(0)
+    b, s, h, d = 2, 8, 2, 64
+    q, k, v, do = (torch.randn(b, s, h, d, generator=g).to(dtype).transpose(1, 2) for _ in range(4))
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("clone", "copy_", "contiguous") and args[0].numel() >= b * h * s * d:
+                copies.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    config = {"is_causal": True, "has_mask": False}
+    with Copies():
+        packed = get_custom_call("attention-forward").fn([q, k, v], config)
+    assert copies == ["copy_.default"]  # the output into the packed result
+    copies.clear()
+    with Copies():
+        grads = get_custom_call("attention-backward").fn([q, k, v, packed, do], config)
+    assert copies == ["copy_.default"] * 3  # dq, dk, dv into the packed result
+    assert stat_columns(dtype, d) * dtype.itemsize == 16 and stat_columns(dtype, 16) * dtype.itemsize < 16
+    out, dq, dk, dv = _reference(q, k, v, None, True, None, do)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(packed[..., :d].double(), out, rtol=tol, atol=tol)
+    n = s * d
+    got = grads.squeeze(-2).double()
+    for want, part in zip((dq, dk, dv), (got[..., :n], got[..., n:2 * n], got[..., 2 * n:]), strict=True):
+        torch.testing.assert_close(part.reshape(want.shape), want, rtol=tol, atol=tol)

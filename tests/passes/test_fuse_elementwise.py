@@ -299,6 +299,98 @@ def test_partition_id_arithmetic_of_a_windowed_einsum_is_left_to_the_lowering(mo
     assert len(fusions(fuse(text)[1])) == 2
 
 
+def test_pads_of_a_slice_backward_fuse_into_their_consumer():
+    """rotate_half's backward after simplify: two edge pads and their sum are one fusion; a pad with
+    interior or negative padding stays a kernel of its own."""
+    text = module(["a: f32[2,4]", "b: f32[2,4]", "c: f32[2,8]"],
+                  ["%z = f32[] constant(0)",
+                   "%n = f32[2,4] negate(%a)",
+                   "%lo = f32[2,8] pad(%n, %z), padding=0_0_0x0_4_0",
+                   "%hi = f32[2,8] pad(%b, %z), padding=0_0_0x4_0_0",
+                   "%s = f32[2,8] add(%lo, %hi)",
+                   "ROOT %m = f32[2,8] multiply(%s, %c)"], "f32[2,8]")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode not in ("parameter", "constant")] == ["fusion"]
+    assert sum(i.opcode == "pad" for i in fusions(mod)[0].attrs["calls"].instructions) == 2
+    crop = module(["a: f32[2,4]", "c: f32[2,3]"],
+                  ["%z = f32[] constant(0)", "%n = f32[2,4] negate(%a)",
+                   "%p = f32[2,3] pad(%n, %z), padding=0_0_0x0_-1_0",
+                   "ROOT %m = f32[2,3] multiply(%p, %c)"], "f32[2,3]")
+    assert [i.opcode for i in fuse(crop)[1].entry.instructions if i.opcode not in ("parameter", "constant")] == [
+        "negate", "pad", "multiply"]
+
+
+def test_rotate_half_concatenate_fuses_into_the_rotary_embedding():
+    """q * cos + cat(-q2, q1) * sin (rotary embeddings) is one fusion: the concatenate and the
+    negate no longer run as kernels of their own."""
+    text = module(["q: f32[2,8]", "cos: f32[2,8]", "sin: f32[2,8]"],
+                  ["%q1 = f32[2,4] slice(%q), slice={[0:2:1], [0:4:1]}",
+                   "%q2 = f32[2,4] slice(%q), slice={[0:2:1], [4:8:1]}",
+                   "%n = f32[2,4] negate(%q2)",
+                   "%rot = f32[2,8] concatenate(%n, %q1), dimensions={1}",
+                   "%a = f32[2,8] multiply(%q, %cos)",
+                   "%b = f32[2,8] multiply(%rot, %sin)",
+                   "ROOT %r = f32[2,8] add(%a, %b)"], "f32[2,8]")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["fusion"]
+    body = {i.opcode for i in fusions(mod)[0].attrs["calls"].instructions}
+    assert {"concatenate", "negate", "slice"} <= body
+
+
+def test_a_fusion_read_only_by_a_transpose_writes_the_transposed_order():
+    """The transposed value feeds a reshape that merges the transposed dims (a copy as a transpose
+    of a row-major value); computed by the fusion, the reshape is a view. A fusion with another
+    user keeps its order."""
+    text = module(["a: f32[2,3,4]", "b: f32[2,3,4]", "w: f32[4,5]"],
+                  ["%m = f32[2,3,4] multiply(%a, %b)",
+                   "%e = f32[2,3,4] exponential(%m)",
+                   "%t = f32[3,2,4] transpose(%e), dimensions={1,0,2}",
+                   "%r = f32[6,4] reshape(%t)",
+                   f"ROOT %d = f32[6,5] dot(%r, %w), {DOT}"], "f32[6,5]")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["fusion", "reshape", "dot"]
+    (f,) = fusions(mod)
+    assert f.shape.dims == (3, 2, 4) and f.attrs["calls"].root.opcode == "transpose"
+    shared = text.replace(f"ROOT %d = f32[6,5] dot(%r, %w), {DOT}",
+                          f"%d = f32[6,5] dot(%r, %w), {DOT}\n  ROOT %out = (f32[6,5], f32[2,3,4]) tuple(%d, %e)")
+    shared = shared.replace("-> f32[6,5]", "-> (f32[6,5], f32[2,3,4])")
+    _, mod = fuse(shared)
+    assert [f.shape.dims for f in fusions(mod)] == [(2, 3, 4)]
+    assert "transpose" in [i.opcode for i in mod.entry.instructions]
+
+
+def test_silu_read_by_two_products_is_recomputed_in_both():
+    """SwiGLU: silu(gate) * up in the forward, dout * silu(gate) in the backward: two fusions, no
+    silu kernel (it was one silu and two multiplies)."""
+    text = module(["g: f32[4,8]", "u: f32[4,8]", "d: f32[4,8]"],
+                  ['%s = f32[4,8] custom-call(%g), custom_call_target="silu"',
+                   "%p = f32[4,8] multiply(%s, %u)",
+                   "%q = f32[4,8] multiply(%d, %s)",
+                   "ROOT %out = (f32[4,8], f32[4,8]) tuple(%p, %q)"], "(f32[4,8], f32[4,8])")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == ["fusion", "fusion", "tuple"]
+
+
+def test_a_producer_also_read_through_a_reshape_by_a_dot_is_not_recomputed():
+    """The residual-gradient sum of a layer boundary: g = a + norm_backward(...) is read by a dot
+    (through a reshape) and by the next residual sum. Recomputing g in that sum would leave g's
+    own kernel for the dot and cut the norm backward off into a fusion of its own; instead g
+    roots one fusion with it, which the next sum reads."""
+    text = module(["a: f32[4,8]", "b: f32[4,8]", "c: f32[4,8]", "w: f32[8,8]"],
+                  ["%t = f32[4,8] tanh(%b)",
+                   "%e = f32[4,8] exponential(%t)",
+                   "%g = f32[4,8] add(%a, %e)",
+                   "%r = f32[4,8] reshape(%g)",
+                   f"%d = f32[4,8] dot(%r, %w), {DOT}",
+                   "%n = f32[4,8] multiply(%g, %c)",
+                   "ROOT %out = (f32[4,8], f32[4,8]) tuple(%d, %n)"], "(f32[4,8], f32[4,8])")
+    _, mod = fuse(text)
+    assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == [
+        "fusion", "reshape", "dot", "multiply", "tuple"]
+    assert [i.opcode for i in fusions(mod)[0].attrs["calls"].instructions if i.opcode != "parameter"] == [
+        "tanh", "exponential", "add"]
+
+
 def test_disabled_pass_and_unpartitioned_module():
     assert fuse(AFTER_ALL_REDUCE, enabled=False)[0] == AFTER_ALL_REDUCE
     with pytest.raises(ValueError, match="not partitioned"):

@@ -126,6 +126,32 @@ ENTRY %main (x: f32[4,6]) -> f32[6,2,2] {
 }
 """)
 
+    def test_update_into_a_broadcast_scalar_becomes_a_pad(self):
+        """``slice_scatter`` into zeros (rotate_half's backward): two updates at constant starts, the
+        second's start past the end (clamped as HLO does); both become pads of the update."""
+        text, _ = _run(_module(
+            ["a: f32[2,3,2]", "b: f32[2,3,2]"],
+            ["%z = f32[] constant(0)",
+             "%zeros = f32[2,3,4] broadcast(%z), dimensions={}",
+             "%c0 = s64[] constant(0)",
+             "%c2 = s64[] constant(2)",
+             "%c9 = s64[] constant(9)",
+             "%lo = f32[2,3,4] dynamic-update-slice(%zeros, %a, %c0, %c2, %c0)",
+             "%hi = f32[2,3,4] dynamic-update-slice(%zeros, %b, %c0, %c0, %c9)",
+             "ROOT %sum = f32[2,3,4] add(%lo, %hi)"], "f32[2,3,4]"))
+        self.assertExpectedInline(text, """\
+HloModule m, num_partitions=1, mesh={tp=1}, is_partitioned=true
+
+ENTRY %main (a: f32[2,3,2], b: f32[2,3,2]) -> f32[2,3,4] {
+  %a = f32[2,3,2] parameter(0)
+  %b = f32[2,3,2] parameter(1)
+  %z = f32[] constant(0.0)
+  %lo = f32[2,3,4] pad(%a, %z), padding=0_0_0x0_0_0x0_2_0
+  %hi = f32[2,3,4] pad(%b, %z), padding=0_0_0x0_0_0x2_0_0
+  ROOT %sum = f32[2,3,4] add(%lo, %hi)
+}
+""")
+
 
 # --------------------------------------------------------------------------- what stays
 NOT_REWRITTEN = {
@@ -151,6 +177,14 @@ NOT_REWRITTEN = {
         "f32[4,3]"),
     "broadcast_that_transposes": (
         ["x: f32[3,3]"], ["ROOT %b = f32[3,3] broadcast(%x), dimensions={1,0}"], "f32[3,3]"),
+    "update_into_a_broadcast_vector": (
+        ["v: f32[3]", "u: f32[3,2]"],
+        ["%b = f32[3,4] broadcast(%v), dimensions={0}", "%c0 = s32[] constant(0)",
+         "ROOT %d = f32[3,4] dynamic-update-slice(%b, %u, %c0, %c0)"], "f32[3,4]"),
+    "update_at_a_computed_start": (
+        ["u: f32[3,2]", "i: s32[]"],
+        ["%z = f32[] constant(1)", "%b = f32[3,4] broadcast(%z), dimensions={}", "%c0 = s32[] constant(0)",
+         "ROOT %d = f32[3,4] dynamic-update-slice(%b, %u, %c0, %i)"], "f32[3,4]"),
     "root_no_op_reshape": (["x: f32[3,4]"], ["ROOT %r = f32[3,4] reshape(%x)"], "f32[3,4]"),
     "tuple_output_no_op_transpose": (
         ["x: f32[3,4]"], ["%t = f32[3,4] transpose(%x), dimensions={0,1}", "%n = f32[3,4] negate(%x)",

@@ -10,6 +10,7 @@ from spmd import Mesh
 from spmd import PartitionSpec as P
 from spmd.passes.assign_buffers import assign_buffers
 from spmd.runtime.fusions import make_dot_into_slice
+from spmd.runtime.hazards import find_hazards
 from spmd.runtime.lower import lower
 from spmd.runtime.thunks import KernelThunk
 
@@ -98,6 +99,33 @@ def test_linear_on_rank4_activations_into_a_sharded_result():
     for got, want in zip(g(*xs), f(*xs), strict=True):
         tol = 1e-12 if want.dtype == torch.float64 else 1e-2
         torch.testing.assert_close(got.to_torch(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_residual_add_after_a_row_splitting_view_runs_as_one_addmm(in_place):
+    """``x + (h.view(B*S, D) @ w).view(B, S, D)`` (a projection's residual add): the dot reaches the
+    add through a reshape view, and the lowering runs one addmm (no dot thunk, no add kernel). With
+    the residual used again after the add the addmm cannot accumulate into it in place."""
+    mesh = Mesh.create(("tp",), devices="cpu:1")
+
+    def f(x, h, w):
+        y = x + (h.reshape(-1, h.shape[-1]) @ w).reshape(x.shape)
+        return y if in_place else (y, x * 2)
+
+    f_jit = spmd.jit(f, mesh=mesh, in_shardings=(P(), P(), P()), out_shardings=P() if in_place else (P(), P()),
+                     options=spmd.CompileOptions(cuda_graphs=False))
+    g = torch.Generator().manual_seed(0)
+    x, h, w = (torch.randn(*s, generator=g) for s in ((2, 8, 16), (2, 8, 32), (32, 16)))
+    module = f_jit.lower(x, h, w).result.module
+    program = lower(module, [torch.device("cpu")], [0], assign_buffers(module), gpu=True)
+    kinds = [module.entry.instructions[[i.name for i in module.entry.instructions].index(t.name)].opcode
+             for t in _kernels(program) if t.out not in program.view_slots]
+    assert "dot" not in kinds and kinds.count("add") == 1
+    assert find_hazards(program) == []
+    got = f_jit(x, h, w)
+    want = f(x.double(), h.double(), w.double())
+    got, want = (got, want) if in_place else (got[0], want[0])
+    torch.testing.assert_close(got.to_torch().double(), want, rtol=1e-5, atol=1e-5)
 
 
 def _linear_gelu(x, w, b, w2, b2):
