@@ -64,11 +64,12 @@ def _scaled(em: Emitter, x: Any, alpha: Any) -> Any:
 
 
 def _alpha_opmath(em: Emitter, opcode: str, x: Instruction, y: Instruction, alpha: Any, val) -> Instruction:
-    """``x ± alpha·y`` of a 16-bit ``add`` / ``sub`` with ``alpha``: ATen's CPU and CUDA kernels round
-    ``alpha`` to the 16-bit type, compute in float32 ("opmath") and round once; a 16-bit multiply
-    then add rounded twice (1 ulp off in about one element of ten)."""
+    """``x ± alpha·y`` of a 16-bit ``add`` / ``sub`` with ``alpha``, computed in float32 ("opmath") and
+    rounded once, as ATen's kernels do; a 16-bit multiply then add rounded twice (1 ulp off in about
+    one element of ten). ATen's CPU kernel rounds ``alpha`` to the 16-bit type first, the CUDA
+    kernel (``AddFunctor<opmath_t>``) keeps it in float32."""
     dtype, dims = out_dtype(val), out_dims(val)
-    alpha16 = float(torch.tensor(alpha, dtype=Shape(dtype, ()).torch_dtype))
+    alpha16 = float(torch.tensor(alpha, dtype=Shape(dtype, ()).torch_dtype)) if _tracing_platform() == "cpu" else alpha
     x32, y32 = (em.convert(operand(em, t, dtype, dims), "f32") for t in (x, y))  # operands cast to the result first
     scaled = em.binary("multiply", y32, em.scalar(alpha16, "f32", dims))
     return em.convert(em.emit(opcode, Shape("f32", dims), [x32, scaled]), dtype)
