@@ -175,6 +175,7 @@ def test_16_bit_partial_sums_on_request_reduce_scatter_in_bf16():
     """``float32_partial_sums=False``: the partial products round to bf16 on each device and the
     reduce-scatter moves bf16 (XLA's and PyTorch async TP's choice: half the bytes)."""
     mesh = Mesh.create(("tp",), devices="cpu:2")
+    torch.manual_seed(0)  # unseeded, the doubly rounded sums missed the 2e-2 tolerance about one run in eight
     x, w = torch.randn(8, 64).bfloat16(), torch.randn(16, 64).bfloat16()
     f = spmd.jit(F.linear, mesh=mesh, in_shardings=(P(None, "tp"), P(None, "tp")), out_shardings=P("tp"),
                  options=spmd.CompileOptions(float32_partial_sums=False))
