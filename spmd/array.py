@@ -400,6 +400,9 @@ def device_put(tensor: torch.Tensor, sharding: NamedSharding) -> ShardedArray:
     if tensor.is_meta:
         raise ValueError("tensor: a meta tensor has no data to place; expected a tensor on the CPU or a GPU "
                          "(meta tensors are fine for Jitted.lower)")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"tensor: expected a dense (torch.strided) tensor, got layout {tensor.layout}; "
+                        f"convert it with .to_dense()")
     sharding.validate(tuple(tensor.shape), "sharding")
     start = time.perf_counter()
     value = tensor.detach()

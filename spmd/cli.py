@@ -305,6 +305,8 @@ def cmd_demo(args, console: Console) -> int:
     from spmd.passes.pipeline import CompileOptions
     from spmd.sharding import PartitionSpec as P
 
+    if args.iters < 1:
+        raise CliError(f"--iters: expected >= 1, got {args.iters}")
     mesh, axes = demo_mesh(args.device)
     model = minilm.load_model(args.model_dir)
     sentences = minilm.DEMO_SENTENCES

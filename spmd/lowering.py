@@ -227,6 +227,9 @@ def _rng_key_leaves(program, mesh) -> list:
     return [_Leaf((2,), torch.int64, NamedSharding(mesh, PartitionSpec()))]
 
 
+_SHAPES_SHOWN = 6  # argument shapes quoted at each end in a tracing error
+
+
 def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
     """Trace and import; a shape error inside the user's function becomes a ValueError naming the shapes."""
     from spmd.frontend.constraint import TRACING_MESH
@@ -243,7 +246,12 @@ def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
     except (UnsupportedOpError, ValueError, TypeError):
         raise
     except RuntimeError as e:
-        shapes = ", ".join(f"args{paths[i]}: {tuple(x.shape)}" for i, x in zip(tensor_idx, examples))
+        shapes = [f"args{paths[i]}: {tuple(x.shape)}" for i, x in zip(tensor_idx, examples)]
+        if len(shapes) > 2 * _SHAPES_SHOWN:  # a train step of a real model has hundreds of leaves: the first
+            # ones (usually weights) and the last ones (usually the batch) are kept
+            shapes = [*shapes[:_SHAPES_SHOWN], f"... {len(shapes) - 2 * _SHAPES_SHOWN} more ...",
+                      *shapes[-_SHAPES_SHOWN:]]
+        shapes = ", ".join(shapes)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{jitted.__name__}: tracing failed: {first} (argument shapes {shapes})") from e
     finally:

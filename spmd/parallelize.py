@@ -90,7 +90,12 @@ class ParallelModule:
         return [device_put(x, s) for x, s in zip(inputs, named, strict=True)]
 
     def lower(self, *inputs):
-        """Lower and compile the forward for these inputs (no execution); returns the ``Lowered``."""
+        """Lower and compile the forward for these inputs (no execution); returns the ``Lowered``.
+
+        Raises ValueError when ``params`` lacks a parameter of the module or holds a name that is
+        none of them (a missing one would silently fall back to the module's own tensor).
+        """
+        self._check_param_names()
         key = self._key(inputs)
         if key not in self._compiled_by_key:
             start = time.perf_counter()
@@ -106,6 +111,17 @@ class ParallelModule:
         """Run the forward on ``inputs`` (torch.Tensors or ShardedArrays); returns ShardedArray(s)."""
         self.lower(*inputs)
         return self.compiled(self.params, *inputs)
+
+    def _check_param_names(self) -> None:
+        if not isinstance(self.params, dict):
+            raise TypeError(f"params: expected a dict {{parameter name: ShardedArray}}, "
+                            f"got {type(self.params).__name__}")
+        if self.params.keys() != self.param_specs.keys():
+            missing = sorted(self.param_specs.keys() - self.params.keys())
+            extra = sorted(self.params.keys() - self.param_specs.keys())
+            raise ValueError(f"params: expected exactly the module's parameters; missing {missing[:5]}, "
+                             f"unexpected {extra[:5]} (replace an entry with an array of the same sharding "
+                             f"instead of removing or adding one)")
 
     def __repr__(self) -> str:
         split = sum(1 for s in self.param_specs.values() if any(e is not None for e in s))

@@ -56,7 +56,8 @@ def trace(fn_or_compiled: Any, *args: Any, path: str | os.PathLike = "trace.json
     Raises:
       TypeError: ``fn_or_compiled`` is none of the accepted kinds, or ``path`` is not a
         str / PathLike.
-      ValueError: everything the call itself raises for bad arguments.
+      ValueError: ``path``'s folder cannot be created or written (raised before the call
+        runs), and everything the call itself raises for bad arguments.
     """
     with tracing(fn_or_compiled, path=path) as run:
         run(*args)
@@ -74,6 +75,7 @@ def tracing(fn_or_compiled: Any, path: str | os.PathLike = "trace.json") -> Iter
     """
     runner = TracedCalls(fn_or_compiled)
     out = _check_path(path)
+    _check_writable_dir(out)  # before anything runs (donated arguments would be consumed)
     try:
         yield runner
     finally:
@@ -179,6 +181,19 @@ def _check_path(path: Any) -> Path:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
     return Path(path)
+
+
+def _check_writable_dir(path: Path) -> None:
+    """Create ``path``'s parent folders; ValueError naming ``path`` when they cannot be made or written."""
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"path: cannot create the folder {str(parent)!r} for the trace {str(path)!r}: "
+                         f"{e.strerror or e}") from None
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"path: folder {str(parent)!r} is not writable; expected a writable place for the trace "
+                         f"{str(path)!r}")
 
 
 # ------------------------------------------------------------------ JSON building

@@ -223,3 +223,11 @@ def test_cuda_round_trip():
     assert torch.equal(b.block_until_ready().to_torch(), x)
     with pytest.raises(ValueError, match="expected a tensor on cuda:1"):
         ShardedArray.from_shards([a.shards[0].data, a.shards[0].data], a.sharding, (5, 7))
+
+
+def test_device_put_of_a_sparse_tensor_is_a_type_error():
+    """It was a NotImplementedError ("Cannot access storage of SparseTensorImpl") from the placement."""
+    s = NamedSharding(MESHES[1], P("x"))
+    for t in (torch.eye(4).to_sparse(), torch.eye(4).to_sparse_csr()):
+        with pytest.raises(TypeError, match=r"tensor: expected a dense \(torch.strided\) tensor, got layout"):
+            device_put(t, s)

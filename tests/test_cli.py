@@ -57,6 +57,8 @@ def test_help_is_short(capsys):
     (("run", "--model", "gpt3-layer", "--mesh", "dp=2", "--device", "cpu"), "expected a 'tp' axis"),
     (("run", "--model", "gpt3-layer", "--mesh", "tp=2", "--batch", "0", "--device", "cpu"), "--batch"),
     (("run", "--model", "gpt3-layer", "--mesh", "tp=4096", "--device", "cuda"), "CUDA devices"),
+    (("demo", "--device", "cpu", "--iters", "0"), "--iters: expected >= 1, got 0"),  # was "no median for empty data"
+    (("demo", "--device", "cpu", "--iters", "-1"), "--iters: expected >= 1, got -1"),
 ])
 def test_bad_input_is_one_line_without_traceback(capsys, args, expected):
     code, out, err = in_process(capsys, *args)

@@ -48,3 +48,14 @@ def test_a_shape_error_names_the_cause_first_and_prints_no_traceback(capfd):
                                          r"args\[0\]: \(4, 4\), args\[1\]: \(5, 4\)\)"):
         f(torch.randn(4, 4), torch.randn(5, 4))
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_shape_error_quotes_the_first_and_last_argument_shapes_of_many():
+    """A train step of a real model has hundreds of leaves: the message quoted every one (20 KB)."""
+    mesh = spmd.Mesh.create({"tp": 2}, devices="cpu:2")
+    params = {f"w{i}": torch.randn(2) for i in range(100)}
+    f = spmd.jit(lambda p, a, b: a @ b + sum(p.values()).sum(), mesh=mesh)
+    with pytest.raises(ValueError, match=r"tracing failed: .*args\[0\]\['w5'\]: \(2,\), \.\.\. 90 more \.\.\., "
+                                         r"args\[0\]\['w96'\].*args\[2\]: \(5, 4\)\)$") as info:
+        f(params, torch.randn(4, 4), torch.randn(5, 4))
+    assert "'w6'" not in str(info.value) and len(str(info.value)) < 600

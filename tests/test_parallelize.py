@@ -49,6 +49,22 @@ def test_parallelize_argument_errors():
                     plans.gpt_plan())
 
 
+def test_params_with_a_missing_or_unknown_name_are_a_value_error():
+    """A removed entry used to fall back silently to the module's own (stale) tensor before the first call."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    pm = parallelize(m, Mesh.create(("tp",), devices="cpu:2"),
+                     plans.Plan(rules=(("0", plans.ColwiseParallel()), ("2", plans.RowwiseParallel())), tp_axis="tp"))
+    x = torch.randn(3, 4)
+    bias = pm.params.pop("2.bias")
+    with pytest.raises(ValueError, match=r"params: expected exactly the module's parameters; missing \['2.bias'\]"):
+        pm(x)
+    pm.params["2.bias"], pm.params["extra"] = bias, bias
+    with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
+        pm(x)
+    del pm.params["extra"]
+    torch.testing.assert_close(pm(x).to_torch(), m(x).detach())
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_minilm_sharded_matches_unsharded(n, minilm_model, minilm_batch):
     mesh = Mesh.create(("tp",), devices=f"cpu:{n}")

@@ -182,6 +182,17 @@ def test_errors(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
+def test_unwritable_path_is_a_value_error_before_the_call_consumes_donated_arguments(tmp_path):
+    f = spmd.jit(lambda a: a * 2, mesh=MESH4, in_shardings=P("tp"), out_shardings=P("tp"), donate_argnums=0)
+    x = spmd.device_put(torch.randn(8), spmd.NamedSharding(MESH4, P("tp")))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="path: cannot create the folder .*file/sub"):
+        trace(f, x, path=tmp_path / "file" / "sub" / "t.json")
+    assert x.to_torch().shape == (8,)  # not donated: nothing ran
+    out = trace(f, x, path=tmp_path / "new" / "t.json")  # missing folders are created
+    assert _load(out)["traceEvents"]
+
+
 @pytest.mark.gpu(count=2)
 def test_gpu_windowed_einsum_trace(tmp_path):
     mesh = spmd.Mesh.create(("tp",), devices="cuda:2")

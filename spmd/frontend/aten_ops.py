@@ -63,12 +63,27 @@ def _scaled(em: Emitter, x: Any, alpha: Any) -> Any:
     return x * alpha
 
 
+def _alpha_opmath(em: Emitter, opcode: str, x: Instruction, y: Instruction, alpha: Any, val) -> Instruction:
+    """``x ± alpha·y`` of a 16-bit ``add`` / ``sub`` with ``alpha``, computed in float32 ("opmath") and
+    rounded once, as ATen's kernels do; a 16-bit multiply then add rounded twice (1 ulp off in about
+    one element of ten). ATen's CPU kernel rounds ``alpha`` to the 16-bit type first, the CUDA
+    kernel (``AddFunctor<opmath_t>``) keeps it in float32."""
+    dtype, dims = out_dtype(val), out_dims(val)
+    alpha16 = float(torch.tensor(alpha, dtype=Shape(dtype, ()).torch_dtype)) if _tracing_platform() == "cpu" else alpha
+    x32, y32 = (em.convert(operand(em, t, dtype, dims), "f32") for t in (x, y))  # operands cast to the result first
+    scaled = em.binary("multiply", y32, em.scalar(alpha16, "f32", dims))
+    return em.convert(em.emit(opcode, Shape("f32", dims), [x32, scaled]), dtype)
+
+
 _RIGHT_IDENTITY = {"add": 0, "subtract": 0, "multiply": 1, "divide": 1}
 
 
 def _binary(opcode: str):
     def convert(em: Emitter, a: dict, val) -> Instruction:
         x, y = list(a.values())[:2]
+        if ("alpha" in a and a["alpha"] != 1 and opcode in ("add", "subtract") and isinstance(x, Instruction)
+                and isinstance(y, Instruction) and out_dtype(val) in _HALF_DTYPES):
+            return _alpha_opmath(em, opcode, x, y, a["alpha"], val)
         if "alpha" in a:
             y = _scaled(em, y, a["alpha"])
         if (isinstance(x, Instruction) and not isinstance(y, Instruction) and opcode in _RIGHT_IDENTITY
@@ -418,8 +433,20 @@ def _baddbmm(em: Emitter, a: dict, val) -> Instruction:
 
 
 # --------------------------------------------------------------------------- nn ops (custom calls)
+def _require_floating(val, what: str) -> None:
+    """TypeError (reported as an unsupported operation at the user's line) unless ``val`` is floating.
+
+    PyTorch has no integer / bool kernel for these ops (eager raises NotImplementedError); the
+    fake tensors of tracing do not check, so the error would otherwise come from the runtime.
+    """
+    if not val.dtype.is_floating_point:
+        raise TypeError(f"{what}: expected a floating-point input (PyTorch has no {val.dtype} kernel), got "
+                        f"{val.dtype}; cast it first (e.g. x.float())")
+
+
 @register(aten.softmax.int, aten._softmax.default, aten._safe_softmax.default)
 def _softmax(em: Emitter, a: dict, val) -> Instruction:
+    _require_floating(val, "softmax")
     x = em.convert(a["self"], out_dtype(val))
     config = {"dim": norm_dim(a["dim"], x.shape.rank)}
     return em.custom_call("softmax", [x], x.shape, config)
@@ -433,6 +460,7 @@ def _log_softmax(em: Emitter, a: dict, val) -> Instruction:
     dim (``serial_vec_log_softmax_lastdim_range`` in ATen's ``LogSoftmaxKernelImpl.h``) also
     rounds the sum and its log to the 16-bit type, so on a CPU mesh that dim does too.
     """
+    _require_floating(val, "log_softmax")
     out = em.convert(a["self"], out_dtype(val))
     x = _opmath(em, out)
     d = norm_dim(a["dim"], x.shape.rank)
@@ -514,12 +542,14 @@ def _sdpa(em: Emitter, a: dict, val) -> Instruction:
 
 @register(aten.gelu.default)
 def _gelu(em: Emitter, a: dict, val) -> Instruction:
+    _require_floating(val, "gelu")
     x = a["self"]
     return em.custom_call("gelu", [x], x.shape, {"approximate": a["approximate"]})
 
 
 @register(aten.silu.default)
 def _silu(em: Emitter, a: dict, val) -> Instruction:
+    _require_floating(val, "silu")
     return em.custom_call("silu", [a["self"]], a["self"].shape)
 
 

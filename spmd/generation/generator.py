@@ -18,6 +18,7 @@ the end, or every ``stream_every`` steps.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ class Generator:
         self.kv = tuple((device_put(zeros, self.kv_sharding), device_put(zeros, self.kv_sharding))
                         for _ in range(cfg.num_layers))
         self._programs: dict[Sampling, tuple] = {}
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ programs
     def _kv_specs(self):
@@ -241,6 +243,7 @@ class Generator:
           ids outside the vocabulary), ``max_new_tokens`` < 1 or past the cache, ``sampling`` not a
           Sampling, a non-bool ``timing``, ``on_tokens`` / ``progress`` not callable.
           Nothing runs and the cache is untouched when an argument is rejected.
+        Thread-safe: calls from several threads run one after the other (they share the cache).
         """
         sampling = Sampling() if sampling is None else sampling
         if not isinstance(sampling, Sampling):
@@ -254,6 +257,10 @@ class Generator:
         for name, fn in (("on_tokens", on_tokens), ("progress", progress)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name}: expected a callable or None, got {type(fn).__name__}")
+        with self._lock:  # one generation at a time: each step donates and replaces the shared cache
+            return self._generate(ids, max_new_tokens, sampling, timing, stream_every, on_tokens, progress)
+
+    def _generate(self, ids, max_new_tokens, sampling, timing, stream_every, on_tokens, progress) -> GenerationResult:
         prefill, decode = self.programs(sampling)
         tokens, start = self.pad_prompts(ids)
         # greedy decoding reads no random numbers: a [B, 1] placeholder keeps the program signature

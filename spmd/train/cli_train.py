@@ -57,6 +57,9 @@ def add_train_parser(sub) -> None:
 def _mesh(args):
     from spmd.cli import CliError, make_mesh, parse_mesh
 
+    if args.device == "cuda" and not torch.cuda.device_count():
+        raise CliError("--device cuda: no CUDA GPU is present (torch.cuda.device_count() is 0); "
+                       "run spmd train --device cpu (virtual CPU devices), or leave --device out")
     if args.mesh:
         axes = parse_mesh(args.mesh)
     else:
@@ -85,6 +88,8 @@ def _check(args) -> None:
         raise CliError(f"--lr: expected a finite number > 0, got {args.lr}")
     if args.hidden % args.heads:
         raise CliError(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    if args.task == "minilm" and args.seq > 512:
+        raise CliError(f"--seq: minilm has 512 positions, got {args.seq}")
     _check_paths(args)
 
 
@@ -151,6 +156,11 @@ def cmd_train(args, console: Console) -> int:
     if args.resume:
         ts.load(args.resume)
         start = int(ts.opt_state["step"].to_torch())
+        if start >= args.steps:
+            from spmd.cli import CliError
+
+            raise CliError(f"--steps: the checkpoint {args.resume!r} is at step {start}; expected --steps > {start} "
+                           f"(the step to train until), got {args.steps}")
     console.print(f"{what}, batch {args.batch} x {args.seq}, steps {start}..{args.steps}")
     losses, times = _loop(ts, args, batch_of, start, console)
     _report(console, losses, times, args)

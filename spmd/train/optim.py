@@ -64,6 +64,10 @@ class Optimizer:
 def _check_params(params, what: str) -> None:
     if not isinstance(params, dict) or not all(isinstance(v, torch.Tensor) for v in params.values()):
         raise TypeError(f"{what}: expected a dict of tensors, got {type(params).__name__}")
+    if what == "params":
+        for k, p in params.items():
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"params[{k!r}]: expected a floating-point parameter (as torch.optim), got {p.dtype}")
 
 
 def _check_update(opt: Optimizer, params: dict, grads: dict, state: dict) -> None:
@@ -75,13 +79,27 @@ def _check_update(opt: Optimizer, params: dict, grads: dict, state: dict) -> Non
     if not isinstance(state, dict) or set(state) != expected:
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state: expected keys {sorted(expected)} (from {type(opt).__name__}.init), got {got}")
+    for k, p in params.items():
+        _check_like(f"grads[{k!r}]", grads[k], p)
+    if not isinstance(state["step"], torch.Tensor) or state["step"].dim() != 0:
+        raise TypeError(f"state['step']: expected a 0-d tensor (from {type(opt).__name__}.init), got "
+                        f"{_describe(state['step'])}")
     for slot in opt.slots():
+        if not isinstance(state[slot], dict):
+            raise TypeError(f"state[{slot!r}]: expected a dict of tensors keyed like params (from "
+                            f"{type(opt).__name__}.init), got {type(state[slot]).__name__}")
         for k, p in params.items():
-            buf = state[slot].get(k)
-            if buf is None or tuple(buf.shape) != tuple(p.shape):
-                got = None if buf is None else tuple(buf.shape)
-                raise ValueError(f"state[{slot!r}][{k!r}]: expected shape {tuple(p.shape)} like its parameter, "
-                                 f"got {got}")
+            _check_like(f"state[{slot!r}][{k!r}]", state[slot].get(k), p)
+
+
+def _describe(t) -> str:
+    return f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_like(what: str, t, p: torch.Tensor) -> None:
+    """ValueError unless ``t`` is a tensor with ``p``'s shape and dtype (as torch.optim's grads and state)."""
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
+        raise ValueError(f"{what}: expected shape {tuple(p.shape)} {p.dtype} like its parameter, got {_describe(t)}")
 
 
 def _bias_correction(beta: float, step: torch.Tensor) -> torch.Tensor:
@@ -96,6 +114,8 @@ class SGD(Optimizer):
     Per parameter p with gradient g (PyTorch docs, torch.optim.SGD):
       g ← g + weight_decay·p;  b ← g at the first step, else momentum·b + (1 − dampening)·g;
       g ← g + momentum·b (nesterov) or b;  p ← p − lr·g.
+    Each ``x + c·y`` is ``torch.add(x, y, alpha=c)`` as in torch.optim (one rounding: eagerly the
+    result equals torch.optim.SGD bit for bit in every floating dtype).
     Raises TypeError for a non-number hyper-parameter, ValueError for one out of range or
     ``nesterov`` with zero momentum or non-zero dampening (as torch.optim.SGD).
     """
@@ -125,13 +145,13 @@ class SGD(Optimizer):
         for k, p in params.items():
             d_p = grads[k]
             if self.weight_decay != 0:
-                d_p = d_p + self.weight_decay * p
+                d_p = torch.add(d_p, p, alpha=self.weight_decay)
             if self.momentum != 0:
-                later = state["momentum_buffer"][k] * self.momentum + (1 - self.dampening) * d_p
+                later = torch.add(state["momentum_buffer"][k] * self.momentum, d_p, alpha=1 - self.dampening)
                 buf = torch.where(first, d_p, later)
                 bufs[k] = buf
-                d_p = d_p + self.momentum * buf if self.nesterov else buf
-            new_params[k] = p - self.lr * d_p
+                d_p = torch.add(d_p, buf, alpha=self.momentum) if self.nesterov else buf
+            new_params[k] = torch.add(p, d_p, alpha=-self.lr)
         new_state: dict = {"step": state["step"] + 1}
         if self.momentum != 0:
             new_state["momentum_buffer"] = bufs
@@ -171,8 +191,8 @@ class Adam(Optimizer):
         _check_update(self, params, grads, state)
         beta1, beta2 = self.betas
         step = state["step"] + 1
-        step_size = (self.lr / _bias_correction(beta1, step)).to(torch.float32)
-        bc2_sqrt = torch.sqrt(_bias_correction(beta2, step)).to(torch.float32)
+        step_size = self.lr / _bias_correction(beta1, step)  # float64, as torch.optim's Python floats
+        bc2_sqrt = torch.sqrt(_bias_correction(beta2, step))
         new_params, m_new, v_new = {}, {}, {}
         for k, p in params.items():
             g = grads[k]
@@ -183,8 +203,8 @@ class Adam(Optimizer):
             m = state["exp_avg"][k]
             m = m + (1 - beta1) * (g - m)  # torch.lerp with weight < 0.5
             v = state["exp_avg_sq"][k] * beta2 + (1 - beta2) * (g * g)
-            denom = torch.sqrt(v) / bc2_sqrt.to(v.dtype) + self.eps
-            new_params[k] = p - step_size.to(p.dtype) * (m / denom)
+            denom = torch.sqrt(v) / _scalar_as(bc2_sqrt, v.dtype) + self.eps
+            new_params[k] = p - _scalar_as(step_size, p.dtype) * (m / denom)
             m_new[k], v_new[k] = m, v
         return new_params, {"step": step, "exp_avg": m_new, "exp_avg_sq": v_new}
 
@@ -200,6 +220,16 @@ class AdamW(Adam):
     weight_decay: float = 1e-2
 
     decoupled = True
+
+
+def _scalar_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 0-d hyper-parameter ``x`` as the scalar torch.optim's kernels use for a ``dtype`` tensor.
+
+    ATen reads a Python-float scalar at the tensor's op-math precision: float64 for float64
+    tensors, float32 for float32 and the 16-bit types (then rounded to the tensor's dtype here,
+    as the traced elementwise ops compute in it).
+    """
+    return x.to(dtype) if dtype == torch.float64 else x.to(torch.float32).to(dtype)
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> tuple[dict, torch.Tensor]:

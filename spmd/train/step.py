@@ -15,6 +15,8 @@ sequence parallelism come from the plan (``spmd.models.plans``), as in ``spmd.pa
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -97,6 +99,7 @@ class TrainStep:
                            out_shardings=(param_specs, self.state_specs, None), donate_argnums=(0, 1),
                            options=options)
         self._compiled: dict[tuple, object] = {}
+        self._lock = threading.Lock()
         self.lowered = None
         self.compiled = None
 
@@ -118,16 +121,18 @@ class TrainStep:
           False returns them as ``ShardedArray``s without waiting, so the host enqueues the next
           step while this one runs (log every k steps with ``v.to_torch()``).
         The previous params and state are donated to the step; on an error raised before the
-        step runs (bad batch, tracing error) they are left as they were.
+        step runs (bad batch, tracing error) they are left as they were. Thread-safe: steps
+        called from several threads run one after the other.
         Raises TypeError for a non-bool ``fetch``.
         """
         if not isinstance(fetch, bool):
             raise TypeError(f"fetch: expected a bool, got {type(fetch).__name__}")
-        self._check_state()
-        placed = self.place_batch(batch)
-        compiled = self._compile(placed)
-        params, state, metrics = compiled(self.params, self.opt_state, placed)
-        self.params, self.opt_state = params, state
+        with self._lock:  # steps from several threads run one after the other (each donates the state)
+            self._check_state()
+            placed = self.place_batch(batch)
+            compiled = self._compile(placed)
+            params, state, metrics = compiled(self.params, self.opt_state, placed)
+            self.params, self.opt_state = params, state
         return {k: v.to_torch() for k, v in metrics.items()} if fetch else dict(metrics)
 
     def _compile(self, placed):

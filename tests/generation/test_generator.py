@@ -44,6 +44,27 @@ def test_greedy_tokens_and_cache_equal_eager(model, axes, n, batch):
     _check_against_eager(model, gen, PROMPTS4[:batch] if batch > 1 else PROMPTS4[2:3])
 
 
+def test_generate_from_two_threads_runs_one_after_the_other(model):
+    """Thread B starts while thread A is between decode steps. Both share the donated cache: B used to
+    replace it under A (A then decoded on B's cache, or a donated array was reused)."""
+    import threading
+
+    gen = Generator(model, _mesh(("tp",), 2), max_batch=2, max_seq=24, prefill_len=8)
+    prompts_a, prompts_b = [[5, 17, 3], [11]], [[200, 1, 9, 31, 64, 128, 250, 4], [77, 8]]
+    want_a, want_b = gen.generate(prompts_a, 6).tokens, gen.generate(prompts_b, 6).tokens
+    got: dict = {}
+    b = threading.Thread(target=lambda: got.setdefault("b", gen.generate(prompts_b, 6).tokens))
+
+    def pause_a(n):
+        if n == 2:  # A is mid-generation: let B run (or block on the lock) before A's next step
+            b.start()
+            b.join(timeout=1.0)
+
+    got["a"] = gen.generate(prompts_a, 6, progress=pause_a).tokens
+    b.join()
+    assert torch.equal(got["a"], want_a) and torch.equal(got["b"], want_b)
+
+
 def test_kv_cache_sharding(model):
     gen = Generator(model, _mesh({"dp": 2, "tp": 2}, 4), max_batch=4, max_seq=16, prefill_len=4)
     assert gen.kv_sharding.spec == spmd.PartitionSpec("dp", "tp", None, None)

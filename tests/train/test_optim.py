@@ -46,6 +46,26 @@ def test_matches_torch_optim_eager_and_jitted(opt, factory):
     assert float(jstate["step"].to_torch()) == 6.0
 
 
+@pytest.mark.parametrize("opt,factory", CASES[:2], ids=["AdamW", "Adam"])
+def test_float64_matches_torch_optim_to_float64_precision(opt, factory):
+    """float64 parameters keep float64 step sizes (torch.optim's Python floats), eagerly and jitted."""
+    torch.manual_seed(2)
+    init = {"w": torch.randn(6, 5, dtype=torch.float64)}
+    ref = {k: v.clone().requires_grad_() for k, v in init.items()}
+    topt = factory(list(ref.values()))
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    update = spmd.jit(lambda p, g, s: opt.update(p, g, s), mesh=mesh, in_shardings=({"w": P("dp")}, None, None))
+    eager, state, jitted, jstate = dict(init), opt.init(init), dict(init), opt.init(init)
+    for _ in range(4):
+        grads = {"w": torch.randn(6, 5, dtype=torch.float64)}
+        ref["w"].grad = grads["w"].clone()
+        topt.step()
+        eager, state = opt.update(eager, grads, state)
+        jitted, jstate = update(jitted, grads, jstate)
+    torch.testing.assert_close(eager["w"], ref["w"].detach(), rtol=0, atol=1e-14)
+    torch.testing.assert_close(jitted["w"].to_torch(), ref["w"].detach(), rtol=0, atol=1e-14)
+
+
 def test_clip_grad_norm_matches_torch():
     torch.manual_seed(1)
     grads = {"a": torch.randn(4, 3) * 5, "b": torch.randn(7)}
@@ -83,3 +103,53 @@ def test_update_checks_state_against_params():
         opt.update(params, {"w": torch.ones(3, 2)}, state)
     with pytest.raises(ValueError, match="grads: expected the keys"):
         opt.update(params, {"v": torch.ones(3, 2)}, opt.init(params))
+
+
+@pytest.mark.parametrize("opt", [AdamW(), SGD(lr=1e-2, momentum=0.9)], ids=["AdamW", "SGD"])
+def test_update_checks_grads_and_state_shape_dtype_and_type(opt):
+    """Grads and state buffers must match their parameter's shape and dtype (torch.optim's invariant):
+    a mismatch is a ValueError naming the entry, never a broadcast error or a silently promoted parameter."""
+    params = {"w": torch.ones(3, 2)}
+    slot = opt.slots()[0]
+    with pytest.raises(ValueError, match=r"grads\['w'\]: expected shape \(3, 2\) torch.float32 .*got shape \(2, 2\)"):
+        opt.update(params, {"w": torch.ones(2, 2)}, opt.init(params))
+    with pytest.raises(ValueError, match=r"grads\['w'\]: .* got shape \(3, 2\) torch.float64"):
+        opt.update(params, {"w": torch.ones(3, 2, dtype=torch.float64)}, opt.init(params))
+    state64 = opt.init({"w": torch.ones(3, 2, dtype=torch.float64)})
+    with pytest.raises(ValueError, match=rf"state\['{slot}'\]\['w'\]: .* got shape \(3, 2\) torch.float64"):
+        opt.update(params, {"w": torch.ones(3, 2)}, state64)
+    with pytest.raises(TypeError, match=rf"state\['{slot}'\]: expected a dict of tensors"):
+        opt.update(params, {"w": torch.ones(3, 2)}, {**opt.init(params), slot: torch.zeros(3, 2)})
+    with pytest.raises(TypeError, match=r"state\['step'\]: expected a 0-d tensor"):
+        opt.update(params, {"w": torch.ones(3, 2)}, {**opt.init(params), "step": 0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kwargs", [dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+                                    dict(momentum=0.9, dampening=0.3, weight_decay=0.01), {}],
+                         ids=["nesterov", "dampening", "plain"])
+def test_sgd_eager_equals_torch_optim_bit_for_bit(dtype, kwargs):
+    """x + c·y as torch.add(x, y, alpha=c), as torch.optim.SGD computes it (two roundings were 1 ulp off)."""
+    torch.manual_seed(3)
+    w = torch.randn(64, dtype=dtype)
+    ref = w.clone().requires_grad_()
+    topt = torch.optim.SGD([ref], lr=0.1, **kwargs)
+    opt = SGD(lr=0.1, **kwargs)
+    params, state = {"w": w}, opt.init({"w": w})
+    for _ in range(5):
+        g = torch.randn(64, dtype=dtype)
+        ref.grad = g.clone()
+        topt.step()
+        params, state = opt.update(params, {"w": g}, state)
+    assert torch.equal(params["w"], ref.detach())
+
+
+@pytest.mark.parametrize("opt", [AdamW(), SGD(lr=1e-2, momentum=0.9)], ids=["AdamW", "SGD"])
+def test_integer_parameters_are_a_type_error(opt):
+    """An int64 parameter used to come back from update() as float32."""
+    params = {"w": torch.ones(3, 2), "n": torch.ones(2, dtype=torch.int64)}
+    with pytest.raises(TypeError, match=r"params\['n'\]: expected a floating-point parameter .* got torch.int64"):
+        opt.init(params)
+    state = opt.init({"w": params["w"]})
+    with pytest.raises(TypeError, match=r"params\['n'\]: expected a floating-point parameter"):
+        opt.update(params, {k: torch.ones_like(v) for k, v in params.items()}, {**state})

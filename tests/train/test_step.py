@@ -184,3 +184,37 @@ def test_unfetched_metrics_stay_on_the_mesh_and_equal_the_fetched_ones():
         assert torch.equal(lazy["loss"].to_torch(), fetched["loss"])
     with pytest.raises(TypeError, match="fetch: expected a bool"):
         a.step(batches[0], fetch="no")
+
+
+def test_steps_from_several_threads_run_one_after_the_other():
+    """Each step donates and replaces the shared params and state: concurrent steps from threads used to
+    pass an array another thread had donated (DeletedArrayError) or mix two steps' states."""
+    import threading
+
+    batch = _batches(1, 4, 8)[0]  # the same batch every step: the order of the steps does not matter
+    opt, _ = _adamw()
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    seq = make_train_step(_model(), mesh, None, _loss_fn, optimizer=opt)
+    par = make_train_step(_model(), mesh, None, _loss_fn, optimizer=opt)
+    par.step(batch)  # compile once
+    seq.step(batch)
+    errors: list = []
+
+    def work():
+        try:
+            for _ in range(3):
+                par.step(batch, fetch=False)
+        except Exception as e:  # collected and reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _ in range(12):
+        seq.step(batch)
+    assert not errors, errors
+    assert float(par.opt_state["step"].to_torch()) == 13.0
+    for k, v in seq.params.items():
+        assert torch.equal(par.params[k].to_torch(), v.to_torch()), k
