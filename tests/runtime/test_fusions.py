@@ -151,13 +151,16 @@ def _cuda_kernels(fn) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_feed_forward_kernels_on_one_gpu(dtype):
+def test_feed_forward_kernels_on_one_gpu(dtype, monkeypatch):
     """bf16: both linear layers are cuBLASLt GEMMs with the bias in the epilogue (addmm with the 1-d
     bias), then the GELU and the residual add; float32: plain GEMMs, the biases inside the GELU and
     residual fusions (Inductor's choice). Either way two kernels besides the GEMMs (cuBLAS may add
     split-K reductions), no bias add of its own; results equal float64 eager on the same inputs."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from spmd.runtime import kernels_fusion as kf
+
+    monkeypatch.setenv(kf.COMPILER_ENV, "inductor")  # generated fusion kernels without CUDA graphs (profiled)
     mesh = Mesh.create(("tp",), devices="cuda:1")
     f = spmd.jit(_linear_gelu, mesh=mesh, in_shardings=(P(),) * 5, out_shardings=P(),
                  options=spmd.CompileOptions(cuda_graphs=False))

@@ -48,6 +48,8 @@ def test_a_first_call_from_several_threads_captures_once_and_every_result_is_rig
         t.join()
     assert not errors, errors[0]
     assert len(results) == 3 * threads
-    for got in results:
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b.cpu(), rtol=2e-3, atol=2e-3)
+    for got in results:  # one executable: every thread and call gives the same bits
+        for a, b in zip(got, results[0], strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(results[0], want, strict=True):  # float16 math attention against eager's kernel
+        torch.testing.assert_close(a, b.cpu(), rtol=1e-2, atol=1e-2)
