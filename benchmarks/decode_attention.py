@@ -12,13 +12,13 @@ interleaved rounds (median µs per call); the KV bytes read per call over the ti
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks import reporting
+from benchmarks.graph_timing import capture, time_interleaved
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "math": SDPBackend.MATH}
@@ -56,29 +56,14 @@ def measure(batch: int, seq: int, valid: int, calls: int, rounds: int) -> dict[s
     graphs, out = {}, {}
     for name, fn in variants.items():
         try:
-            for _ in range(3):
-                r = fn(q, k, v, mask, pos)
+            r = fn(q, k, v, mask, pos)
             err = ((r.double() - ref).norm() / ref.norm()).item()
             if err > 2e-2:
                 raise RuntimeError(f"relative error {err:.1e}")
-            torch.cuda.synchronize()
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(calls):
-                    fn(q, k, v, mask, pos)
-            graphs[name] = gr
+            graphs[name] = capture(lambda fn=fn: fn(q, k, v, mask, pos), calls)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run this shape is reported, not fatal
             out[name] = f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:60]})"
-    times: dict[str, list[float]] = {n: [] for n in graphs}
-    for _ in range(rounds):
-        for name, gr in graphs.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            gr.replay()
-            e.record()
-            e.synchronize()
-            times[name].append(s.elapsed_time(e) * 1e3 / calls)
-    return {**out, **{n: statistics.median(t) for n, t in times.items()}}
+    return {**out, **time_interleaved(graphs, rounds)}
 
 
 def main(argv=None) -> None:

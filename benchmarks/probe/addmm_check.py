@@ -12,8 +12,9 @@ linear layers at 8 x 128 and 128 x 128 tokens: q/k/v merged, attention output, F
 
 from __future__ import annotations
 
-import statistics
 import sys
+
+from benchmarks.graph_timing import capture, time_interleaved
 
 SHAPES = ((1024, 384, 576), (1024, 384, 768), (1024, 192, 384), (1024, 768, 384), (128, 512, 768),
           (128, 512, 1024))
@@ -35,22 +36,6 @@ def _parse_args(argv):
     else:
         args.shapes = SHAPES
     return args
-
-
-def _graph(fn, reps: int = 50):
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    return g, reps
 
 
 def _variants(a, w, b) -> dict:
@@ -77,17 +62,7 @@ def main(argv=None) -> int:
         a, w, b = (torch.randn(m, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype),
                    torch.randn(n, device=dev, dtype=dtype))
         variants = _variants(a, w, b)
-        graphs = {name: _graph(fn) for name, fn in variants.items()}
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(7):
-            for name, (g, reps) in graphs.items():
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                e1.synchronize()
-                times[name].append(e0.elapsed_time(e1) * 1e3 / reps)
-        med = {name: statistics.median(v) for name, v in times.items()}
+        med = time_interleaved({name: capture(fn, 50) for name, fn in variants.items()}, 7)
         print(f"{f'{m},{k},{n}':>16} {med['mm']:7.2f} {med['mm+add']:7.2f} {med['addmm1d']:8.2f} {med['addmm2d']:8.2f}",
               flush=True)
     return 0

@@ -21,8 +21,9 @@ Usage: ``python3 -m benchmarks.probe.gelu_check [--shapes "m,k,n;..."] [--dtype 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+
+from benchmarks.graph_timing import capture, time_interleaved
 
 SHAPES = ((1024, 384, 1536), (16384, 384, 1536))
 
@@ -36,22 +37,6 @@ def _parse_args(argv) -> argparse.Namespace:
     args.shapes = (tuple(tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s.strip())
                    if args.shapes else SHAPES)
     return args
-
-
-def _graph(fn, reps: int = 20):
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    return g, reps
 
 
 def _variants(a, w, b) -> dict:
@@ -87,17 +72,8 @@ def main(argv=None) -> int:
         variants = _variants(a, w, b)
         errors = {name: ((fn().double().cpu() - want).abs().max() / want.abs().max()).item()
                   for name, fn in variants.items() if name != "gelu-only"}
-        graphs = {name: _graph(fn) for name, fn in variants.items()}
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, (g, reps) in graphs.items():
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                e1.synchronize()
-                times[name].append(e0.elapsed_time(e1) * 1e3 / reps)
-        cells = ", ".join(f"{name} {statistics.median(v):.2f} µs" for name, v in times.items())
+        med = time_interleaved({name: capture(fn, 20) for name, fn in variants.items()}, args.rounds)
+        cells = ", ".join(f"{name} {us:.2f} µs" for name, us in med.items())
         errs = ", ".join(f"{name} {e:.1e}" for name, e in errors.items())
         print(f"{args.dtype} {m},{k},{n}: {cells}; rel. error vs float64: {errs}", flush=True)
     return 0
