@@ -8,16 +8,17 @@ only when they changed.
 
 Cache key (checked on every call, a few hundred ns per weight and device): for every argument
 the prologue reads, the object the caller passed (a ``ShardedArray``, or a ``torch.Tensor``
-placed on the mesh at every call) and each of its per-device buffer tensors
-(held by weak reference: the key keeps nothing alive, and an object freed and replaced by a
-new one at the same address does not match) and each buffer's ``_version``, PyTorch's
-per-tensor counter that every in-place write bumps (``copy_``, ``add_``, an ``out=`` kernel,
-a write through a view such as ``ShardedArray.shards[k].data``). So these invalidate it: a
-replaced argument (another ``ShardedArray``, ``ParallelModule.params[name] = ...``), an
-argument donated elsewhere (a deleted array cannot be passed; one made from its buffers is
-another object), and an in-place update of a buffer. Writes PyTorch does not see (a CUDA graph
-replay or NCCL writing into a tensor, ``Tensor.data`` tricks) are not noticed; the arrays
-``spmd`` hands out never receive them.
+placed on the mesh at every call) and each of its per-device buffer tensors (held by weak
+reference: the key keeps nothing alive, and an object freed and replaced by a new one at the
+same address does not match), each buffer's ``data_ptr()`` (``t.data = other`` moves the
+storage) and each buffer's ``_version``, PyTorch's per-tensor counter that every in-place write
+bumps (``copy_``, ``add_``, an ``out=`` kernel, a write through a view such as
+``ShardedArray.shards[k].data``). So these invalidate it: a replaced argument (another
+``ShardedArray``, ``ParallelModule.params[name] = ...``), an argument donated elsewhere (a
+deleted array cannot be passed; one made from its buffers is another object), a buffer given
+new storage, and an in-place update of a buffer. Writes PyTorch does not see (a CUDA graph
+replay or NCCL writing into a tensor, writes through ``Tensor.numpy()``) are not noticed; the
+arrays ``spmd`` hands out never receive them.
 
 Memory: one entry per executable, the hoisted values of the latest weight version (their
 per-device bytes are ``WeightCache.size_bytes``); a new version replaces it. Merged weights
@@ -48,6 +49,7 @@ from spmd.array import ShardedArray
 
 Tensor = torch.Tensor
 _VERSION = operator.attrgetter("_version")
+_PTR = torch.Tensor.data_ptr
 _DEREF = getattr(operator, "call", weakref.ref.__call__)  # a weak reference's referent (C-level)
 _RUNS = metrics.counter("hoist.prologue_runs")
 
@@ -77,6 +79,7 @@ class WeightCache:
         self._pick = (operator.itemgetter(*self.inputs) if len(self.inputs) > 1
                       else _single(self.inputs[0]) if self.inputs else _none)
         self._versions: list[int] = []
+        self._ptrs: list[int] = []  # data_ptr of each buffer: ``t.data = other`` swaps storage, not _version
         self._values: list[list[Tensor]] | None = None
         self.last_ready: Sequence[Any] | None = None  # the main program's ready events (GPU, copy_into)
 
@@ -102,7 +105,8 @@ class WeightCache:
             if (self._values is not None and len(tensors) == len(self._tensor_refs)
                     and all(map(operator.is_, map(_DEREF, self._arg_refs), picked))
                     and all(map(operator.is_, map(_DEREF, self._tensor_refs), tensors))
-                    and list(map(_VERSION, tensors)) == self._versions):
+                    and list(map(_VERSION, tensors)) == self._versions
+                    and list(map(_PTR, tensors)) == self._ptrs):
                 return self._values
             self._refresh(picked, tensors, buffers, events)
             return self._values
@@ -125,6 +129,7 @@ class WeightCache:
         self._arg_refs = [weakref.ref(a) for a in picked]
         self._tensor_refs = [weakref.ref(t) for t in tensors]
         self._versions = list(map(_VERSION, tensors))
+        self._ptrs = list(map(_PTR, tensors))
 
     def _wait(self, events: Sequence[Any] | None) -> None:
         """Make each local device's current stream wait for its event (None entries: CPU, nothing)."""

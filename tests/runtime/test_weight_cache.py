@@ -177,6 +177,18 @@ def test_weights_passed_as_tensors_hit_the_cache_until_updated_in_place():
     assert _rel_err(f(w, x).to_torch(), _mlp_ref(w, x)) < 1e-6 and cache.runs == 2
 
 
+def test_a_weight_given_new_storage_refreshes_the_cache():
+    """``w.data = other`` moves the storage without bumping ``_version``: the key's ``data_ptr``
+    sees it (a result 140 off before)."""
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
+    f = _jit_mlp(mesh, weight_argnums=0)
+    w, x = _mlp_args(mesh, 5)
+    assert _rel_err(f(w, x).to_torch(), _mlp_ref(w, x)) < 1e-6
+    cache = f.lower(w, x).compile().weight_cache
+    w["c"].data = torch.randn_like(w["c"]) * 3
+    assert _rel_err(f(w, x).to_torch(), _mlp_ref(w, x)) < 1e-6 and cache.runs == 2
+
+
 def test_donating_the_activations_keeps_the_weights_hoisted():
     mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
     f = _jit_mlp(mesh, weight_argnums=0, donate_argnums=1)
