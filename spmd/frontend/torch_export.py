@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 import spmd.frontend.aten_conv_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_index_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_more_ops  # noqa: F401  (registers converters)
+import spmd.frontend.aten_nn_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_random_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
