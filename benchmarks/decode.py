@@ -220,8 +220,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds")
     p.add_argument("--warmup-rounds", type=int, default=3,
-                   help="untimed rounds first (default 3: compile, capture CUDA graphs, and the capture for the "
-                        "KV cache's second donated buffer set, which the third prefill of a process meets)")
+                   help="untimed rounds first (default 3: the first prefills of a process compile and capture "
+                        "CUDA graphs; a run with 2 still captured during its third prefill)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="peak HBM bandwidth, TB/s (H200: 4.8)")
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
