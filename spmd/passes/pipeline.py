@@ -4,8 +4,8 @@ Stages, in run order (the names ``Lowered.as_text`` accepts)::
 
     import → propagate-sharding → spmd-partition → simplify → cse → reduce-scatter-creator
            → all-reduce-reuse → sink-scale → windowed-einsum → merge-dots → fuse-attention → hoist-weights
-           → split-batch → combine-collectives → fuse-elementwise → rematerialize → select-all-reduce
-           → assign-streams → async-collectives → schedule
+           → split-batch → combine-collectives → fuse-elementwise → rematerialize → multi-output-fusion
+           → select-all-reduce → assign-streams → async-collectives → schedule
 
 followed by the ``assign-buffers`` analysis. hoist-weights splits off a *prologue* module
 (values computed only from weights, run once per weight version: ``spmd.passes.hoist_weights``);
