@@ -51,7 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from spmd.ir.hlo import Computation, Instruction, Module
+from spmd.ir.hlo import Computation, Instruction, Module, ancestor_ids
 from spmd.passes.folding import folded_instructions
 from spmd.passes.views import view_instructions
 
@@ -274,13 +274,7 @@ def _live_part(module: Module) -> Module:
     instruction makes must not order two values that share bytes (a dead async-start reading a
     value on another stream once let two streams write one buffer unordered)."""
     entry = module.entry
-    seen: set[int] = set()
-    stack = [entry.root]
-    while stack:
-        inst = stack.pop()
-        if inst is not None and id(inst) not in seen:
-            seen.add(id(inst))
-            stack.extend(inst.operands)
+    seen = ancestor_ids([entry.root])
     if len(seen) == len(entry.instructions):
         return module
     live = Computation(entry.name, [i for i in entry.instructions if id(i) in seen], entry.root)

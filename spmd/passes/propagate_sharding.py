@@ -65,8 +65,7 @@ class PropagateSharding:
         if module.is_partitioned:
             raise ValueError(f"module {module.name!r}: expected an unpartitioned module")
         comp = module.entry
-        state = _State(module, self.dot_gather_discount)
-        state.float32_partial_sums = self.float32_partial_sums
+        state = _State(module, self.dot_gather_discount, self.float32_partial_sums)
         state.hints = _constraint_hints(comp)
         for phase in range(2):
             for _ in range(self.max_sweeps):
@@ -101,11 +100,11 @@ def _constraint_hints(comp) -> dict[int, TensorSharding]:
 class _State:
     """Known shardings plus the set of fixed (user) ones."""
 
-    def __init__(self, module: Module, gather_discount: float = 1.0) -> None:
+    def __init__(self, module: Module, gather_discount: float = 1.0, float32_partial_sums: bool = True) -> None:
         self.mesh = module.mesh
         self.gather_discount = gather_discount
         self.fixed: set[int] = set()
-        self.float32_partial_sums = True
+        self.float32_partial_sums = float32_partial_sums
         for inst in module.entry.instructions:
             if inst.sharding is not None:
                 _check(inst, self.mesh)

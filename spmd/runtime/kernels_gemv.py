@@ -71,8 +71,8 @@ def _eligible(x: Tensor, w: Tensor, out: Tensor) -> bool:
         return False
     if w.numel() * w.element_size() < MIN_WEIGHT_BYTES:
         return False
-    return kf.fusion_compiler(x.device) == "inductor" or (kf.fusion_compiler(x.device) == "graphs"
-                                                            and kf._graph_call())
+    mode = kf.fusion_compiler(x.device)
+    return mode == "inductor" or (mode == "graphs" and kf._graph_call())
 
 
 def _product(x: Tensor, w: Tensor, out: Tensor) -> Tensor:

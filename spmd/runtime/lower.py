@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from spmd.ir.hlo import Computation, Instruction, Module
+from spmd.ir.hlo import Computation, Instruction, Module, ancestor_ids
 from spmd.passes.folding import FOLD_MAX_NUMEL as FOLD_MAX_NUMEL  # re-exported: the folding threshold
 from spmd.passes.folding import is_foldable
 from spmd.passes.select_all_reduce import ALGORITHM_KEY
@@ -234,15 +234,7 @@ class _Lowerer:
 
 def reachable(root: Instruction) -> set[int]:
     """ids of the instructions ``root`` depends on (itself included)."""
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        inst = stack.pop()
-        if id(inst) in seen:
-            continue
-        seen.add(id(inst))
-        stack.extend(inst.operands)
-    return seen
+    return ancestor_ids([root])
 
 
 def collective_spec(inst: Instruction, num_partitions: int) -> CollectiveSpec:
