@@ -44,6 +44,84 @@ def _flex():
     return run
 
 
+def _cudnn_valid(valid):
+    """cuDNN over only the first ``valid`` cache slots (a static prefix: what reading only the
+    positions in use would cost; not a usable decode kernel by itself)."""
+    def run(q, k, v, mask, pos):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k[:, :, :valid], v[:, :, :valid], attn_mask=mask[..., :valid])
+    return run
+
+
+def _packed(k):
+    """``[B, H, S, D]`` -> ``[B * S, H, D]`` (a contiguous copy, made once outside the timing)."""
+    b, h, s, d = k.shape
+    return k.transpose(1, 2).reshape(b * s, h, d).contiguous()
+
+
+def _flash_seqused(batch, seq):
+    """FlashAttention-2 varlen forward reading only ``pos + 1`` keys of each sequence (``seqused_k``)."""
+    cache = {}
+
+    def run(q, k, v, mask, pos):
+        if "kv" not in cache:
+            dev = q.device
+            cache["kv"] = _packed(k), _packed(v)
+            cache["cq"] = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+            cache["ck"] = torch.arange(batch + 1, device=dev, dtype=torch.int32) * seq
+            cache["used"] = (pos + 1).to(torch.int32)
+        kp, vp = cache["kv"]
+        out = torch.ops.aten._flash_attention_forward(
+            q.reshape(batch, 32, 128), kp, vp, cache["cq"], cache["ck"], 1, seq, 0.0, False, False,
+            seqused_k=cache["used"])[0]
+        return out.view(batch, 32, 1, 128)
+    return run
+
+
+def _efficient_seqlen(batch, seq):
+    """The memory-efficient (CUTLASS) forward with per-sequence key lengths (``seqlen_k``)."""
+    cache = {}
+
+    def run(q, k, v, mask, pos):
+        if "kv" not in cache:
+            dev = q.device
+            cache["kv"] = _packed(k)[None], _packed(v)[None]
+            cache["cq"] = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+            cache["ck"] = torch.arange(batch + 1, device=dev, dtype=torch.int32) * seq
+            cache["used"] = (pos + 1).to(torch.int32)
+        kp, vp = cache["kv"]
+        out = torch.ops.aten._efficient_attention_forward(
+            q.reshape(1, batch, 32, 128), kp, vp, None, cache["cq"], cache["ck"], 1, seq, 0.0, 0, False,
+            seqlen_k=cache["used"])[0]
+        return out.view(batch, 32, 1, 128)
+    return run
+
+
+def _inductor():
+    """Decode attention written as reductions and compiled by Inductor (generated kernels)."""
+    def attn(q, k, v, mask):
+        s = (q.float() * k.float()).sum(-1, keepdim=True).transpose(-1, -2) * (q.shape[-1] ** -0.5)
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        return (p.transpose(-1, -2) * v.float()).sum(-2, keepdim=True).to(q.dtype)
+    compiled = torch.compile(attn, fullgraph=True, dynamic=False)
+    return lambda q, k, v, mask, pos: compiled(q, k, v, mask)
+
+
+def _flex_block(batch, seq):
+    """flex_attention with a block mask that skips the key blocks past each sequence's position."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    compiled = torch.compile(flex_attention, fullgraph=True)
+    cache = {}
+
+    def run(q, k, v, mask, pos):
+        if "bm" not in cache:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= pos[b]
+            cache["bm"] = create_block_mask(mask_mod, batch, None, 1, seq, device=q.device)
+        return compiled(q, k, v, block_mask=cache["bm"])
+    return run
+
+
 def measure(batch: int, seq: int, valid: int, calls: int, rounds: int) -> dict[str, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, 32, 1, 128, device="cuda", generator=g).bfloat16()
@@ -53,6 +131,9 @@ def measure(batch: int, seq: int, valid: int, calls: int, rounds: int) -> dict[s
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
     variants = {name: _sdpa(b) for name, b in BACKENDS.items()}
     variants["flex"] = _flex()
+    variants.update({"flex-blockmask": _flex_block(batch, seq), "flash-seqused": _flash_seqused(batch, seq),
+                     "efficient-seqlen": _efficient_seqlen(batch, seq), "inductor": _inductor(),
+                     "cudnn-valid-only": _cudnn_valid(valid)})
     graphs, out = {}, {}
     for name, fn in variants.items():
         try:
@@ -74,7 +155,8 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
-    names = [*BACKENDS, "flex"]
+    names = [*BACKENDS, "flex", "flex-blockmask", "flash-seqused", "efficient-seqlen", "inductor",
+             "cudnn-valid-only"]
     rows = []
     for b in args.batch:
         t = measure(b, args.seq, args.valid, args.calls, args.rounds)

@@ -90,3 +90,45 @@ def print_kernels(label: str, fn: Callable[[], object], calls: int = 3, top: int
               f"(matmul {d.matmul_us:.1f}, collective {d.collective_us:.1f}, other {d.other_us:.1f})", flush=True)
         for name, n, us in d.top:
             print(f"[kernels]   {us:9.1f} us  x{n:<6.1f} {name}", flush=True)
+
+
+def idle_gaps(fn: Callable[[], object], top: int = 10) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """Device 0's idle time during one call of ``fn`` (after one untimed call).
+
+    Returns ``(span_us, idle_us, gaps)``: the span from the first kernel's start to the last
+    kernel's end, the time inside it when no kernel ran on any stream, and the ``top`` longest idle
+    gaps as (µs, kernel before, kernel after), longest first.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = sorted(((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.device_index == 0),
+                 key=lambda t: t[0])
+    if not evs:
+        return 0.0, 0.0, []
+    gaps, end, last = [], evs[0][1], evs[0][2]
+    for s, e, name in evs[1:]:
+        if s > end:
+            gaps.append((s - end, last, name))
+        if e >= end:
+            end, last = e, name
+    gaps.sort(key=lambda g: -g[0])
+    return end - evs[0][0], sum(g[0] for g in gaps), gaps[:top]
+
+
+def print_idle_gaps(label: str, fn: Callable[[], object], top: int = 10) -> None:
+    """Print ``idle_gaps`` of ``fn`` (never raises: a profile must not stop a benchmark)."""
+    try:
+        span, idle, gaps = idle_gaps(fn, top)
+    except Exception as exc:  # noqa: BLE001
+        print(f"[gaps] {label}: profile failed: {type(exc).__name__}: {exc}", flush=True)
+        return
+    print(f"[gaps] {label}: span {span:.1f} us, idle {idle:.1f} us", flush=True)
+    for us, before, after in gaps:
+        print(f"[gaps]   {us:8.1f} us  after {before}  before {after}", flush=True)

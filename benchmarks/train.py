@@ -125,10 +125,11 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
                 peak[v] = max(0.0 if peak[v] != peak[v] else peak[v], torch.cuda.max_memory_allocated() / 2**30)
         log(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in steps))
     if args.profile and args.device == "cuda":
-        from benchmarks.gpu_kernels import print_kernels
+        from benchmarks.gpu_kernels import print_idle_gaps, print_kernels
 
         for v, step in steps.items():
             print_kernels(f"train {v}", step, calls=2, top=args.profile)
+            print_idle_gaps(f"train {v}", step)
     planned = {v: getattr(step, "planned_peak_gib", lambda: float("nan"))() for v, step in steps.items()}
     return {v: {"ms": statistics.median(times[v]), "peak_gib": peak[v], "planned_gib": planned[v]} for v in steps}
 

@@ -11,17 +11,19 @@ before the capture ends. A replay is one ``cudaGraphLaunch`` on any stream of de
 caller's, see below); the graph completes as a whole before later work of that stream starts.
 
 Memory: nothing may be allocated by the ordinary caching allocator during capture, or the
-graph would use blocks that later calls reuse. ``torch.cuda.CUDAGraph`` sends allocations of
-the captured streams of device 0 to its private pool; for every other device the capture
-sends this thread's allocations to the same pool id with
-``torch._C._cuda_beginAllocateCurrentThreadToPool`` (``_cuda_beginAllocateToPool`` before
-PyTorch 2.8) and stops with ``_cuda_endAllocateToPool`` (formerly
-``_cuda_endAllocateCurrentStreamToPool``) -- the mechanism behind ``torch.cuda.use_mem_pool``.
-Those pools stay referenced (never ``_cuda_releasePool``-d) until the backend is closed, which
-the runner does whenever it drops every graph (close, recapture, disable): blocks the graphs use
-are never handed to other tensors or returned to the driver, and a new capture after that uses
-a new pool id (see ``CudaGraphBackend.close``). Static inputs, the temp arena and persistent
-constants are allocated before capture and held.
+graph would use blocks that later calls reuse. Every capture gets a private pool of its own
+(``torch.cuda.graph_pool_handle``): ``torch.cuda.CUDAGraph`` sends allocations of the captured
+streams of device 0 to it; for every other device the capture sends this thread's allocations
+to the same pool id with ``torch._C._cuda_beginAllocateCurrentThreadToPool``
+(``_cuda_beginAllocateToPool`` before PyTorch 2.8) and stops with ``_cuda_endAllocateToPool``
+(formerly ``_cuda_endAllocateCurrentStreamToPool``) -- the mechanism behind
+``torch.cuda.use_mem_pool``. Pools are never shared between graphs: a block a graph frees during
+its capture is still written by each of its replays, so a second graph placing its static
+outputs there would see them overwritten by the first graph's next replay while a caller holds
+them (the "rotate" output sets of ``spmd.runtime.graphs`` replay in any order). The pools stay
+referenced (never ``_cuda_releasePool``-d) until the backend is closed, which the runner does
+whenever it drops every graph (close, recapture, disable). Static inputs, the temp arena and
+persistent constants are allocated before capture and held.
 
 Per call (``launch``), on the caller's current stream of every device and nothing else (no
 stream or device switch): each device waits for the arguments' ready events and copies staged
@@ -129,9 +131,8 @@ class CudaGraphBackend:
         self.split = split
         self.envs = list(executable._envs)
         self.mode = capture_error_mode
-        self.pool = torch.cuda.graph_pool_handle()
-        self._pool_refs: list[int] = []
-        self._held = False
+        self.pool = torch.cuda.graph_pool_handle()  # the pool of the latest capture (``_new_pool``)
+        self._pool_refs: list[tuple[int, Any]] = []  # (device index, pool) references to release
         self._views: list[list[Tensor]] | None = None
         self._views_pool: Any = executable._arenas  # the arena pool of the captured variant
         self._indices = [env.device.index for env in self.envs]
@@ -202,48 +203,52 @@ class CudaGraphBackend:
         callers = [torch.cuda.current_stream(env.device) for env in self.envs]
         events: list[Any] = []
         began: list[int] = []
+        pool = self._new_pool()
         try:
             torch.cuda.set_stream(launch)
-            self._hold_pools()
             begin = _pool_begin_fn()
             for env in self.envs[1:]:
-                begin(env.device.index, self.pool)
+                begin(env.device.index, pool)
                 began.append(env.device.index)
-            graph.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+            graph.capture_begin(pool=pool, capture_error_mode=self.mode)
             try:
                 outputs = self._issue(program, steps, call, foreign, events)
                 torch.cuda.set_stream(launch)
             except BaseException:
-                self._abort(graph, events)
+                self._abort(graph, events, pool)
                 raise
             try:
                 graph.capture_end()
             except BaseException:
-                self._end_pool_quietly(self.envs[0].device.index)
+                self._end_pool_quietly(self.envs[0].device.index, pool)
                 raise
         finally:
             end = _pool_end_fn()
             for d in began:
-                end(d, self.pool)
-            self._pool_refs.extend(began)
+                end(d, pool)
+            self._pool_refs.extend((d, pool) for d in began)
             st.restore(callers, device_index)
         return CudaCaptured(graph, outputs, events)
 
-    def _hold_pools(self) -> None:
-        """Take one reference to the pool on every device, kept until ``close``.
+    def _new_pool(self) -> Any:
+        """A fresh private memory pool for one capture, referenced on every device until ``close``.
 
-        A pool whose references all went (``_cuda_releasePool``) may not be captured into
-        again, and its free blocks may be returned to the driver while a graph still uses
-        them; device 0's graphs release their reference when they are reset (recapture).
+        Every captured graph gets its own pool: blocks a graph allocates and frees during its
+        capture (the temporaries of kernels that return fresh tensors) are reused by that graph on
+        every replay, so another graph must never place its static outputs there -- with one pool
+        shared by the output sets of "rotate", a replay of an earlier set overwrote the outputs of
+        a later set that a caller still held (wrong values under concurrent callers). A pool whose
+        references all went may not be captured into again, and its free blocks may be returned
+        to the driver while a graph still uses them; hence the reference per device.
         """
-        if self._held:
-            return
+        pool = torch.cuda.graph_pool_handle()
         begin, end = _pool_begin_fn(), _pool_end_fn()
         for env in self.envs:
-            begin(env.device.index, self.pool)
-            end(env.device.index, self.pool)
-            self._pool_refs.append(env.device.index)
-        self._held = True
+            begin(env.device.index, pool)
+            end(env.device.index, pool)
+            self._pool_refs.append((env.device.index, pool))
+        self.pool = pool
+        return pool
 
     def _issue(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int],
                events: list[Any]) -> list[list[Tensor]]:
@@ -287,7 +292,7 @@ class CudaGraphBackend:
                 launch.wait_event(ev)
                 events.append(ev)
 
-    def _abort(self, graph: Any, events: list[Any]) -> None:
+    def _abort(self, graph: Any, events: list[Any], pool: Any) -> None:
         """End a capture that failed midway (best effort: the capture may be invalidated)."""
         with contextlib.suppress(Exception):  # an invalidated capture refuses new dependencies
             self._join_all(events)
@@ -295,11 +300,12 @@ class CudaGraphBackend:
             torch.cuda.set_stream(self.envs[0].main)
             graph.capture_end()
         except Exception:  # noqa: BLE001 - the original error is the one to report
-            self._end_pool_quietly(self.envs[0].device.index)
+            self._end_pool_quietly(self.envs[0].device.index, pool)
 
-    def _end_pool_quietly(self, device: int) -> None:
+    @staticmethod
+    def _end_pool_quietly(device: int, pool: Any) -> None:
         with contextlib.suppress(Exception):  # not recording to the pool any more: nothing to end
-            _pool_end_fn()(device, self.pool)
+            _pool_end_fn()(device, pool)
 
     # ------------------------------------------------------------------ replay
     def launch(self, captured: CudaCaptured, copies: list[list[tuple[Tensor, Tensor]]],
@@ -378,25 +384,22 @@ class CudaGraphBackend:
         return new
 
     def close(self) -> None:
-        """Release the pool references, give the arena back; later captures use a new pool.
+        """Release every capture's pool references and give the arena back.
 
         Called whenever the runner has dropped every graph (``GraphRunner.close``, a
         recapture, a disable). A pool whose graphs are all reset may not be captured into
         again: ``CUDAGraph`` (PyTorch 2.11) also registers its pool with the pinned host allocator
         (``CachingHostAllocator``), whose entry for the pool id asserts ``use_count > 0`` when a
-        capture reuses an id all of whose graphs were reset. So a new pool id is taken even
-        when releasing the old one fails.
+        capture reuses an id all of whose graphs were reset. Each capture therefore takes a new
+        pool id (``_new_pool``), and releasing an old one may fail harmlessly.
         """
         try:
-            for d in self._pool_refs:
+            for d, pool in self._pool_refs:
                 with contextlib.suppress(Exception):  # may run from a finalizer at interpreter exit
-                    torch._C._cuda_releasePool(d, self.pool)
+                    torch._C._cuda_releasePool(d, pool)
         finally:
             self._pool_refs = []
-            self._held = False
             self._key, self._streams = None, None
-            with contextlib.suppress(Exception):
-                self.pool = torch.cuda.graph_pool_handle()
             if self._views is not None:
                 with contextlib.suppress(Exception):
                     self._views_pool.release(self._views)

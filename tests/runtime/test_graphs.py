@@ -400,11 +400,12 @@ def test_dropping_every_graph_renews_the_backend_pool(mlp_prog):
     assert backend.closes == 2
 
 
-def test_cuda_backend_close_renews_the_pool_even_when_release_fails(monkeypatch):
+def test_cuda_backend_close_releases_every_pool_even_when_release_fails(monkeypatch):
     from spmd.runtime import graphs_cuda
 
     b = object.__new__(graphs_cuda.CudaGraphBackend)
-    b.pool, b._pool_refs, b._held, b._views, b.ex = "old", [0, 1, 1], True, None, None
+    b.pool, b._views, b.ex = "old", None, None
+    b._pool_refs = [(0, "old"), (1, "old"), (0, "older")]
     b._key, b._streams = ("stream",), ["stream"]
     calls = []
 
@@ -413,10 +414,28 @@ def test_cuda_backend_close_renews_the_pool_even_when_release_fails(monkeypatch)
         raise RuntimeError("INTERNAL ASSERT FAILED: use_count")
 
     monkeypatch.setattr(torch._C, "_cuda_releasePool", release, raising=False)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "new")
     b.close()
-    assert calls == [(0, "old"), (1, "old"), (1, "old")]
-    assert b.pool == "new" and b._pool_refs == [] and not b._held and b._streams is None and b._key is None
+    assert calls == [(0, "old"), (1, "old"), (0, "older")]
+    assert b._pool_refs == [] and b._streams is None and b._key is None
+
+
+def test_every_capture_takes_a_pool_of_its_own(monkeypatch):
+    """Regression (8 threads on one H200, rotate output sets): sets captured into one shared pool
+    placed a later set's static outputs in blocks an earlier set frees during its capture and
+    writes on every replay, so the earlier set's replay overwrote outputs a caller still held."""
+    from spmd.runtime import graphs_cuda
+
+    b = object.__new__(graphs_cuda.CudaGraphBackend)
+    b._pool_refs = []
+    b.envs = [type("Env", (), {"device": torch.device("cuda", k)})() for k in range(2)]
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(handles)))
+    began = []
+    monkeypatch.setattr(graphs_cuda, "_pool_begin_fn", lambda: lambda d, p: began.append((d, p)))
+    monkeypatch.setattr(graphs_cuda, "_pool_end_fn", lambda: lambda d, p: None)
+    first, second = b._new_pool(), b._new_pool()
+    assert first != second and b.pool == second
+    assert b._pool_refs == [(0, first), (1, first), (0, second), (1, second)] == began
 
 
 def test_adopted_list_changed_in_place_is_noticed(mlp_prog):
