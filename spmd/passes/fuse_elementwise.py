@@ -60,6 +60,7 @@ from spmd.ir.builder import Builder
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module
 from spmd.passes.cse import cse_computation
 from spmd.passes.folding import folded_instructions
+from spmd.passes.fuse_update_slice import UpdateSiblings, dus_sibling_fuses, grown_operands, is_update_root
 
 #: ``random`` (spmd.ir.random) is int64 arithmetic that wraps modulo 2**64; Inductor's generated
 #: kernel gives the same bits as the op-by-op kernels (tests/runtime/test_random_fusion.py).
@@ -131,13 +132,14 @@ class FuseElementwise:
         users = _live_users(comp)  # kept up to date as groups are taken (``_retire``)
         taken: set[int] = set(folded_instructions(comp))  # the lowering computes these on the host
         groups: list[_Group] = []
+        updates = UpdateSiblings(comp, users, taken, self.min_kernels)
         for inst in reversed(comp.instructions):
-            if id(inst) in taken or not is_fusible(inst) or inst.opcode in _NO_ROOT_OPCODES:
+            if id(inst) in taken or not (is_fusible(inst) or is_update_root(inst)) or inst.opcode in _NO_ROOT_OPCODES:
                 continue
             if (not users[inst] and inst is not comp.root) or _is_addmm_operand(inst, None, users):
                 continue  # dead (every user recomputes it), or left for the addmm peephole
             group = _grow(inst, users, taken)
-            if group.kernels >= self.min_kernels and group.inputs:
+            if (group.kernels >= self.min_kernels or dus_sibling_fuses(group, updates)) and group.inputs:
                 groups.append(group)
                 taken.update(id(m) for m in group.moved)
                 _retire(group, users, comp.root)
@@ -166,7 +168,8 @@ def absorb_transposes(module: Module, builder: Builder, comp: Computation) -> in
     done = 0
     for t in list(comp.instructions):
         f = t.operands[0] if t.opcode == "transpose" else None
-        if (f is None or f.opcode != "fusion" or users.get(f) != [t] or id(t) in outputs or id(f) in outputs
+        if (f is None or f.opcode != "fusion" or users.get(f) != [t] or is_update_root(f.attrs["calls"].root)
+                or id(t) in outputs or id(f) in outputs
                 or f.stream_id != t.stream_id):
             continue
         old = f.attrs["calls"]
@@ -220,7 +223,7 @@ def _grow(root: Instruction, users: dict, taken: set[int]) -> _Group:
     stack = [root]
     while stack:
         inst = stack.pop()
-        for p in inst.operands:
+        for p in grown_operands(inst, root):
             if id(p) in inside or id(p) in taken or not is_fusible(p) or p.stream_id != root.stream_id:
                 continue
             if _is_addmm_operand(p, inst, users):

@@ -1,0 +1,104 @@
+"""In-place dynamic-update-slice fusions: the rules fuse-elementwise applies to a ``dynamic-update-slice`` root.
+
+A decode step writes each layer's new key and value rows into the KV cache with a
+dynamic-update-slice at the position; the key is the output of the rotary embedding. Unfused,
+that is three kernels per layer (the rotary embedding, the k write, the v write). XLA fuses a
+dynamic-update-slice with the elementwise producers of its update into one loop fusion that
+iterates over the *update* only and stores into the buffer of operand 0 in place
+(``CanEmitFusedDynamicUpdateSliceInPlaceForGpu`` in xla/service/gpu/ir_emission_utils.cc), and
+its multi-output fusion puts sibling in-place updates at the same position into one kernel.
+
+fuse-elementwise (``spmd.passes.fuse_elementwise``) applies these rules:
+
+- a ``dynamic-update-slice`` may root a group (``is_update_root``); it is never a producer
+  inside another group;
+- the group grows only through operand 1 (the update): operand 0 (the buffer updated in place)
+  and the start indices stay inputs of the fusion (``grown_operands``);
+- the group becomes a fusion when it has at least ``min_kernels`` kernel-launching members, or
+  when it has a producer at all (views: a transposed slice of a merged Q/K/V product) and a
+  sibling update (same start instructions, same update dims, same stream) does fuse
+  (``dus_sibling_fuses``): multi-output-fusion then merges the two into one kernel
+  (``spmd.passes.multi_output_fusion``). A dynamic-update-slice whose update is a dot keeps the
+  runtime's dot-into-slice peephole (``spmd.runtime.fusions``).
+
+The runtime (``spmd.runtime.kernels_fusion_update``) runs such a fusion as one kernel that
+computes the update and stores it into the buffer at the clamped starts, over operand 0's memory
+where the lowering gives that buffer as the destination (a donated KV cache), else into a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spmd.ir.hlo import Computation, Instruction
+from spmd.passes.cse import instruction_key
+
+DUS = "dynamic-update-slice"
+
+
+def is_update_root(inst: Instruction) -> bool:
+    """An array ``dynamic-update-slice`` with a non-empty update of the buffer's dtype: may root a fusion."""
+    if inst.opcode != DUS or inst.shape.is_tuple or inst.shape.numel == 0:
+        return False
+    update = inst.operands[1]
+    return update.shape.numel > 0 and update.shape.dtype == inst.shape.dtype
+
+
+def grown_operands(inst: Instruction, root: Instruction) -> Sequence[Instruction]:
+    """The operands of group member ``inst`` that a group rooted at ``root`` may absorb."""
+    if inst is root and inst.opcode == DUS:
+        return inst.operands[1:2]
+    return inst.operands
+
+
+def update_key(inst: Instruction) -> tuple:
+    """Equal for in-place updates at the same position over the same iteration space: start
+    indices that compute the same value (each cache write's copy of the position arithmetic,
+    which cse after fuse-elementwise merges), the same update dims, the same stream."""
+    memo: dict[int, tuple] = {}
+    return (tuple(value_key(s, memo) for s in inst.operands[2:]), inst.operands[1].shape.dims, inst.stream_id)
+
+
+def value_key(inst: Instruction, memo: dict[int, tuple], depth: int = 0) -> tuple:
+    """Equal for instructions that compute the same value by the same expression (parameters and,
+    past a depth of 16, other values by identity)."""
+    key = memo.get(id(inst))
+    if key is None:
+        if inst.opcode == "parameter" or depth > 16:
+            key = ("id", id(inst))
+        else:
+            op, shape, _, attrs, sharding, stream = instruction_key(inst)
+            key = (op, shape, tuple(value_key(o, memo, depth + 1) for o in inst.operands), attrs, sharding, stream)
+        memo[id(inst)] = key
+    return key
+
+
+class UpdateSiblings:
+    """Which dynamic-update-slice keys have a member whose group would fuse on its own.
+
+    Computed once, on the entry before any group is taken (a prediction: later groups only
+    shrink what a group can absorb, so a sibling counted here might end unfused; its partner is
+    then a fusion of one kernel, as the unfused update was).
+    """
+
+    def __init__(self, comp: Computation, users: dict, taken: set[int], min_kernels: int) -> None:
+        from spmd.passes.fuse_elementwise import _grow
+
+        self.fusing: set[tuple] = set()
+        for inst in comp.instructions:
+            if is_update_root(inst) and id(inst) not in taken and _grow(inst, users, taken).kernels >= min_kernels:
+                self.fusing.add(update_key(inst))
+
+
+def dus_sibling_fuses(group, siblings: UpdateSiblings) -> bool:
+    """A dynamic-update-slice group with a producer whose sibling update fuses (see the module docstring)."""
+    root = group.root
+    return is_update_root(root) and len(group.members) > 1 and update_key(root) in siblings.fusing
+
+
+def update_roots(body: Computation) -> list[Instruction] | None:
+    """The dynamic-update-slice outputs of a fused computation (its root, or every element of a
+    ``tuple`` root), or None where any output is something else."""
+    root = body.root
+    outs = list(root.operands) if root.opcode == "tuple" else [root]
+    return outs if all(o.opcode == DUS for o in outs) else None

@@ -1,0 +1,234 @@
+"""The kernel of an in-place update fusion (``spmd.passes.fuse_update_slice``): updates computed and stored at once.
+
+The called computation ends in one ``dynamic-update-slice`` or a ``tuple`` of them (the k and v
+cache writes of a decode step, merged by multi-output-fusion). Each writes an update computed by
+the rest of the body (the rotary embedding of k, a transposed slice of the merged Q/K/V product)
+into its operand 0, a parameter of the body, at start indices clamped as XLA clamps them
+(``[0, n - size]`` per dim). The kernel takes the fusion's operands and one destination per
+output (``None``: fresh memory): a destination that is operand 0's own tensor (a donated KV
+cache, ``spmd.runtime.donation``) is updated in place, only the update's elements are stored;
+any other destination first receives a copy of operand 0.
+
+On CUDA (``SPMD_FUSION_COMPILER``, as ``spmd.runtime.kernels_fusion``) the update computation and
+every store are traced with ``make_fx`` into ``dest_i.index_copy_(dim, rows_i, update_i)`` (an
+``index_put_`` where several dims move) on mutated graph inputs and compiled by PyTorch Inductor:
+one Triton kernel over the update's elements with one store per output (XLA's in-place
+dynamic-update-slice loop fusion). It is checked once against the op-by-op result. Elsewhere,
+and where Inductor fails or the destinations overlap other operands, the body runs op by op
+(every update computed before any store) and each update is written with the unfused
+dynamic-update-slice kernel, in place over its destination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spmd.ir.hlo import Computation, Instruction
+from spmd.passes.fuse_update_slice import update_roots
+from spmd.runtime.kernels_fusion import (
+    _INDUCTOR_OPTIONS,
+    _cached_compile,
+    _graph_call,
+    _overlaps,
+    _same_view,
+    fusion_compiler,
+    structure_key,
+)
+
+Tensor = torch.Tensor
+
+
+def is_update_fusion(body: Computation) -> bool:
+    """Whether ``body`` (a fused computation) runs with this module's kernel: every output is a
+    dynamic-update-slice of a body parameter."""
+    roots = update_roots(body)
+    return roots is not None and all(r.operands[0].opcode == "parameter" for r in roots)
+
+
+def build_update_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable:
+    """Kernel for a ``fusion`` whose outputs are all dynamic-update-slices.
+
+    Array fusion: ``(operands, out) -> Tensor``; tuple fusion: ``(operands, dests) -> tuple``
+    (``dests`` None or one tensor-or-None per element). Operands on one device, any strides;
+    each destination has its element's shape and dtype.
+    """
+    from spmd.runtime.kernels import compile_kernel
+
+    body: Computation = inst.attrs["calls"]
+    roots = update_roots(body)
+    multi = body.root.opcode == "tuple"
+    plan = _Plan(body, roots)
+    structure = structure_key(body)
+    writers = {}  # device -> unfused dynamic-update-slice kernels, one per output
+
+    def kernel(ops: list[Tensor], dests):
+        dests = ([None] * len(roots) if dests is None else list(dests)) if multi else [dests]
+        device = ops[0].device
+        if device not in writers:
+            writers[device] = [compile_kernel(r, device) for r in roots]
+        mode = fusion_compiler(device)
+        outs = None
+        if plan.exclusive and not (mode == "eager" or (mode == "graphs" and not _graph_call())):
+            outs = _generated(plan, structure, ops, dests)
+        if outs is None:
+            outs = _op_by_op(plan, writers[device], ops, dests)
+        return tuple(outs) if multi else outs[0]
+    return kernel
+
+
+class _Plan:
+    """Which body parameters are the buffers, and the op-by-op evaluation of the updates and starts."""
+
+    def __init__(self, body: Computation, roots: list[Instruction]) -> None:
+        self.roots = roots
+        self.buffers = [r.operands[0].attrs["parameter_number"] for r in roots]
+        users = body.users()
+        # in place only over a buffer nothing else in the body reads (else the stores could race its reads)
+        self.exclusive = len(set(self.buffers)) == len(roots) and all(
+            users.get(r.operands[0], []) == [r] and r.operands.count(r.operands[0]) == 1 for r in roots)
+        self.moving = [tuple(d for d, (n, s) in enumerate(zip(r.shape.dims, r.operands[1].shape.dims, strict=True))
+                             if s < n) for r in roots]
+        skip = {id(r) for r in roots} | {id(body.root)}
+        index = {id(p): p.attrs["parameter_number"] for p in body.parameters}
+        self.steps, slot = [], {}
+        for i in body.instructions:
+            if i.opcode == "parameter" or id(i) in skip:
+                continue
+            slot[id(i)] = len(self.steps)
+            self.steps.append((i, [(id(o) in index, index.get(id(o), slot.get(id(o)))) for o in i.operands]))
+        self.kernels: dict[str, list] = {}
+        self.reads = [[(id(o) in index, index.get(id(o), slot.get(id(o)))) for o in r.operands[1:]] for r in roots]
+
+    def values(self, ops: list[Tensor]) -> list[list[Tensor]]:
+        """Per output: [update, start_0, ..., start_{rank-1}] computed from the fusion's operands."""
+        from spmd.runtime.kernels import compile_kernel
+
+        device = ops[0].device
+        ks = self.kernels.get(str(device))
+        if ks is None:
+            ks = self.kernels[str(device)] = [compile_kernel(i, device) for i, _ in self.steps]
+        vals: list[Tensor] = []
+        for fn, (_, srcs) in zip(ks, self.steps, strict=True):
+            vals.append(fn([ops[k] if is_param else vals[k] for is_param, k in srcs], None))
+        return [[ops[k] if is_param else vals[k] for is_param, k in srcs] for srcs in self.reads]
+
+
+def _op_by_op(plan: _Plan, writers: list, ops: list[Tensor], dests: list) -> list[Tensor]:
+    """Every update computed, then each destination filled from its buffer and updated in place."""
+    values = plan.values(ops)
+    outs = []
+    for r, d in zip(plan.roots, dests, strict=True):
+        if d is None:
+            d = torch.empty(r.shape.dims, dtype=r.shape.torch_dtype, device=ops[0].device)
+        outs.append(d)
+    sources = []
+    for k, d in enumerate(outs):
+        src = ops[plan.buffers[k]]
+        same = _same_view(src, d)
+        # a source another destination overwrites is read first
+        if not same and _overlaps(src, outs):
+            src = src.clone()
+        sources.append((src, same))
+    values = [[v.clone() if _overlaps(v, outs) else v for v in vs] for vs in values]
+    for (src, same), d in zip(sources, outs, strict=True):
+        if not same:
+            d.copy_(src)
+    for w, vs, d in zip(writers, values, outs, strict=True):
+        w([d, *vs], d)
+    return outs
+
+
+def _generated(plan: _Plan, structure: tuple, ops: list[Tensor], dests: list) -> list[Tensor] | None:
+    """The update through one Inductor-generated kernel, or None where it cannot be used here."""
+    device = ops[0].device
+    buffers = set(plan.buffers)
+    outs = [d if d is not None else torch.empty_like(ops[b], memory_format=torch.contiguous_format)
+            for d, b in zip(dests, plan.buffers, strict=True)]
+    others = [t for k, t in enumerate(ops) if k not in buffers]
+    for i, d in enumerate(outs):
+        if d.device != device or _overlaps(d, others) or _overlaps(d, outs[:i]):
+            return None
+        b = ops[plan.buffers[i]]
+        if not _same_view(b, d) and _overlaps(d, [b]):
+            return None
+    if any(t.device != device for t in others):
+        return None  # host start indices: the unfused writer narrows on the host values
+    writer = _compile(plan, structure, ops, outs)
+    if writer is None:
+        return None
+    for d, b in zip(outs, plan.buffers, strict=True):
+        if not _same_view(ops[b], d):
+            d.copy_(ops[b])
+    writer(*others, *outs)
+    return outs
+
+
+def _compile(plan: _Plan, structure: tuple, ops: list[Tensor], outs: list[Tensor]) -> Callable | None:
+    buffers = set(plan.buffers)
+    others = [t for k, t in enumerate(ops) if k not in buffers]
+    key = ("update-into", structure, str(ops[0].device),
+           *((tuple(t.shape), t.stride(), t.dtype) for t in [*others, *outs]))
+    return _cached_compile(key, lambda: _inductor(plan, ops, outs), None)
+
+
+def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor]) -> Callable:
+    """The traced and compiled ``write(*other operands, *dests)``; checked once on copies."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    buffers = set(plan.buffers)
+    positions = [k for k in range(len(ops)) if k not in buffers]
+    n = len(outs)
+
+    def write(*args: Tensor) -> tuple[Tensor, ...]:
+        full: list = [None] * len(ops)
+        for k, t in zip(positions, args[:-n], strict=True):
+            full[k] = t
+        dests = args[-n:]
+        for b, d in zip(plan.buffers, dests, strict=True):
+            full[b] = d  # never read by the body (exclusive buffers)
+        values = plan.values(full)
+        for d, moving, (upd, *starts) in zip(dests, plan.moving, values, strict=True):
+            _store(d, moving, upd, starts)
+        return tuple(dests)
+
+    others = [ops[k] for k in positions]
+    with torch.no_grad():
+        want = [ops[b].clone() for b in plan.buffers]
+        for d, moving, (upd, *starts) in zip(want, plan.moving, plan.values(ops), strict=True):
+            _store(d, moving, upd.clone(), starts)
+        scratch = [torch.empty_strided(d.shape, d.stride(), dtype=d.dtype, device=d.device).copy_(ops[b])
+                   for d, b in zip(outs, plan.buffers, strict=True)]
+        gm = make_fx(write)(*others, *[s.clone() for s in scratch])
+        compiled = torch._inductor.compile(gm, [*others, *scratch], options=_INDUCTOR_OPTIONS)
+        compiled(*others, *scratch)
+    for got, w in zip(scratch, want, strict=True):
+        if not torch.allclose(got.double(), w.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
+            raise RuntimeError("compiled update fusion wrote other values")
+
+    def run(*args: Tensor) -> None:
+        compiled(*args)
+    return run
+
+
+def _store(dest: Tensor, moving: tuple[int, ...], update: Tensor, starts: list[Tensor]) -> None:
+    """``dest`` with ``update`` written in place at ``starts`` clamped to ``[0, n - size]`` (traceable)."""
+    if not moving:
+        dest.copy_(update)
+        return
+    index = []
+    for d in moving:
+        n, size = dest.shape[d], update.shape[d]
+        index.append(starts[d].to(torch.int64).reshape(1).clamp(0, n - size)
+                     + torch.arange(size, device=dest.device))
+    if len(moving) == 1:
+        dest.index_copy_(moving[0], index[0], update)
+        return
+    grid = []
+    for d in range(dest.dim()):
+        idx = index[moving.index(d)] if d in moving else torch.arange(dest.shape[d], device=dest.device)
+        shape = [1] * dest.dim()
+        shape[d] = -1
+        grid.append(idx.reshape(shape))
+    dest.index_put_(tuple(grid), update)
