@@ -172,25 +172,32 @@ def absorb_transposes(module: Module, builder: Builder, comp: Computation) -> in
                 or id(t) in outputs or id(f) in outputs
                 or f.stream_id != t.stream_id):
             continue
-        old = f.attrs["calls"]
-        body = Builder.new_computation(module, FUSED_COMPUTATION)
-        clones: dict[int, Instruction] = {}
-        for i in old.instructions:
-            if i.opcode == "parameter":
-                clones[id(i)] = body.param(i.shape, name=i.name, number=i.attrs["parameter_number"])
-            else:
-                clones[id(i)] = body.add(i.opcode, [clones[id(o)] for o in i.operands], i.attrs, shape=i.shape,
-                                         name=i.name, location=i.location)
-        body.set_root(body.add("transpose", [clones[id(old.root)]], {"dimensions": t.attrs["dimensions"]},
-                               shape=t.shape, name=t.name, location=t.location))
-        with builder.insert_before(t):
-            new = builder.add("fusion", list(f.operands), dict(f.attrs, calls=body.computation), shape=t.shape,
-                              name="fusion", sharding=t.sharding, stream_id=t.stream_id, location=f.location)
-        comp.replace_all_uses(t, new)
-        comp.instructions = [i for i in comp.instructions if i is not t and i is not f]
+        absorb_user(module, builder, comp, f, t)
         users = comp.users()
         done += 1
     return done
+
+
+def absorb_user(module: Module, builder: Builder, comp: Computation, f: Instruction, t: Instruction) -> Instruction:
+    """Replace fusion ``f`` and its only user ``t`` (a transpose or reshape of it) by one fusion whose
+    called computation ends in ``t``'s op; returns the new fusion (placed where ``t`` was)."""
+    old = f.attrs["calls"]
+    body = Builder.new_computation(module, FUSED_COMPUTATION)
+    clones: dict[int, Instruction] = {}
+    for i in old.instructions:
+        if i.opcode == "parameter":
+            clones[id(i)] = body.param(i.shape, name=i.name, number=i.attrs["parameter_number"])
+        else:
+            clones[id(i)] = body.add(i.opcode, [clones[id(o)] for o in i.operands], i.attrs, shape=i.shape,
+                                     name=i.name, location=i.location)
+    body.set_root(body.add(t.opcode, [clones[id(old.root)]], dict(t.attrs), shape=t.shape, name=t.name,
+                           location=t.location))
+    with builder.insert_before(t):
+        new = builder.add("fusion", list(f.operands), dict(f.attrs, calls=body.computation), shape=t.shape,
+                          name="fusion", sharding=t.sharding, stream_id=t.stream_id, location=f.location)
+    comp.replace_all_uses(t, new)
+    comp.instructions = [i for i in comp.instructions if i is not t and i is not f]
+    return new
 
 
 def _output_ids(comp: Computation) -> set[int]:

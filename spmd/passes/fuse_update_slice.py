@@ -102,3 +102,46 @@ def update_roots(body: Computation) -> list[Instruction] | None:
     root = body.root
     outs = list(root.operands) if root.opcode == "tuple" else [root]
     return outs if all(o.opcode == DUS for o in outs) else None
+
+
+def absorb_reshape_siblings(module, comp: Computation) -> int:
+    """Give update fusions' siblings the update's iteration space; the number of fusions rewritten.
+
+    A loop fusion whose only user is a reshape to the dims of an in-place update of a fusion it
+    shares an operand with (the rotary embedding of q, [B, H, 1, 2, D/2] reshaped to [B, H, 1, D],
+    beside the k / v cache write over [B, KV, 1, D] with KV = H) computes the reshaped value itself
+    (the reshape was a view: the bytes are the same), so that multi-output-fusion can merge it into
+    the update's kernel, whose loop then runs over one index space for all its stores.
+    """
+    from spmd.ir.builder import Builder
+    from spmd.passes.fuse_elementwise import CHEAP_OPCODES, absorb_user
+
+    spaces: dict[tuple, set[int]] = {}
+    for f in comp.instructions:
+        roots = update_roots(f.attrs["calls"]) if _is_array_loop_fusion(f) else None
+        if roots is not None:
+            key = (roots[0].operands[1].shape.dims, f.stream_id)
+            spaces.setdefault(key, set()).update(id(o) for o in f.operands
+                                                 if o.opcode not in CHEAP_OPCODES and o.shape.numel > 1)
+    if not spaces:
+        return 0
+    users, root = comp.users(), comp.root
+    outputs = {id(root), *(id(o) for o in root.operands)} if root.opcode == "tuple" else {id(root)}
+    builder, done = Builder(module, comp), 0
+    for f in list(comp.instructions):
+        if not _is_array_loop_fusion(f) or update_roots(f.attrs["calls"]) is not None or id(f) in outputs:
+            continue
+        (r, *rest) = users.get(f) or [None]
+        if r is None or rest or r.opcode != "reshape" or r.stream_id != f.stream_id:
+            continue
+        shared = spaces.get((r.shape.dims, f.stream_id), set())
+        if any(id(o) in shared for o in f.operands):
+            absorb_user(module, builder, comp, f, r)
+            users = comp.users()
+            done += 1
+    return done
+
+
+def _is_array_loop_fusion(f: Instruction) -> bool:
+    return (f.opcode == "fusion" and f.attrs.get("kind") == "kLoop" and not f.shape.is_tuple
+            and f.shape.numel > 0)

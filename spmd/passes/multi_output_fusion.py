@@ -30,7 +30,9 @@ Merge rules (kept simple and safe):
 - only ``kind=kLoop`` fusions with an array result, on one stream, whose results have the same
   dims (one iteration space: Inductor emits one pointwise loop for all outputs); a fusion rooted
   at an in-place dynamic-update-slice (``spmd.passes.fuse_update_slice``) iterates over its update
-  and merges only with such fusions whose updates have the same dims;
+  (a sibling fusion of the update's dims merges with it: the rotary embedding of q beside the k / v
+  cache writes, after ``absorb_reshape_siblings`` gave it those dims); an update fusion is never
+  absorbed by a consumer (its value is the whole updated buffer);
 - in-place updates at the same position: fusions rooted at dynamic-update-slices whose start
   indices are the same values and whose updates have the same dims merge (the k and v cache
   writes of a decode step, one kernel with two in-place stores; XLA's multi-output fusion of
@@ -58,7 +60,7 @@ from spmd.ir.builder import Builder
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
 from spmd.passes.cse import cse_computation, instruction_key
 from spmd.passes.fuse_elementwise import CHEAP_OPCODES, FUSED_COMPUTATION
-from spmd.passes.fuse_update_slice import update_roots
+from spmd.passes.fuse_update_slice import absorb_reshape_siblings, update_roots
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,11 @@ class MultiOutputFusion:
         if not self.enabled:
             return module
         comp = module.entry
+        reshaped = absorb_reshape_siblings(module, comp)
         sets = _Planner(comp, self.max_distance, self.max_members).plan()
         if not sets:
+            if reshaped:
+                _drop_unused_computations(module)
             return module
         replace: dict[int, Instruction] = {}
         placed: dict[int, int] = {}
@@ -162,7 +167,7 @@ class _Planner:
             # only where the shared read is as large as an output (the gradient of an update, the
             # q/k/v rows of rotary embeddings): not a bias vector both halves of a split batch read
             readers = [u for u in dict.fromkeys(self.users[x])
-                       if id(u) in self.parent and u.shape.numel <= x.shape.numel]
+                       if id(u) in self.parent and _loop_numel(u) <= x.shape.numel]
             for k, a in enumerate(readers):
                 for b in readers[k + 1:]:
                     self.try_merge(a, b)
@@ -212,13 +217,18 @@ class _Planner:
         return False
 
 
-def _loop_space(f: Instruction) -> tuple:
+def _loop_space(f: Instruction) -> tuple[int, ...]:
     """The iteration space of fusion ``f``'s kernel: the update's dims for an in-place update
-    (``spmd.passes.fuse_update_slice``: it never merges with a fusion over whole values), else its dims."""
+    (``spmd.passes.fuse_update_slice``), else its dims."""
     roots = update_roots(f.attrs["calls"])
-    if roots is not None:
-        return ("update", roots[0].operands[1].shape.dims)
-    return ("value", f.shape.dims)
+    return roots[0].operands[1].shape.dims if roots is not None else f.shape.dims
+
+
+def _loop_numel(f: Instruction) -> int:
+    n = 1
+    for d in _loop_space(f):
+        n *= d
+    return n
 
 
 def _position_key(f: Instruction) -> tuple:

@@ -1,7 +1,8 @@
 """The kernel of an in-place update fusion (``spmd.passes.fuse_update_slice``): updates computed and stored at once.
 
 The called computation ends in one ``dynamic-update-slice`` or a ``tuple`` of them (the k and v
-cache writes of a decode step, merged by multi-output-fusion). Each writes an update computed by
+cache writes of a decode step, merged by multi-output-fusion), possibly beside values over the
+updates' iteration space (the rotary embedding of q, merged as a sibling). Each writes an update computed by
 the rest of the body (the rotary embedding of k, a transposed slice of the merged Q/K/V product)
 into its operand 0, a parameter of the body, at start indices clamped as XLA clamps them
 (``[0, n - size]`` per dim). The kernel takes the fusion's operands and one destination per
@@ -11,9 +12,11 @@ any other destination first receives a copy of operand 0.
 
 On CUDA (``SPMD_FUSION_COMPILER``, as ``spmd.runtime.kernels_fusion``) the update computation and
 every store are traced with ``make_fx`` into ``dest_i.index_copy_(dim, rows_i, update_i)`` (an
-``index_put_`` where several dims move) on mutated graph inputs and compiled by PyTorch Inductor:
+``index_put_`` where several dims move; ``dest_i.copy_(value_i)`` for a value) on mutated graph
+inputs and compiled by PyTorch Inductor:
 one Triton kernel over the update's elements with one store per output (XLA's in-place
-dynamic-update-slice loop fusion). It is checked once against the op-by-op result. Elsewhere,
+dynamic-update-slice loop fusion). It is checked once against the op-by-op result (each kernel
+compiled counts ``fusion.update.compiled``; a failure ``fusion.fallback.<exception type>``). Elsewhere,
 and where Inductor fails or the destinations overlap other operands, the body runs op by op
 (every update computed before any store) and each update is written with the unfused
 dynamic-update-slice kernel, in place over its destination.
@@ -25,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from spmd import metrics
 from spmd.ir.hlo import Computation, Instruction
-from spmd.passes.fuse_update_slice import update_roots
 from spmd.runtime.kernels_fusion import (
     _INDUCTOR_OPTIONS,
     _cached_compile,
@@ -40,15 +43,21 @@ from spmd.runtime.kernels_fusion import (
 Tensor = torch.Tensor
 
 
+def output_roots(body: Computation) -> list[Instruction]:
+    """The outputs of a fused computation: its root, or every element of a ``tuple`` root."""
+    root = body.root
+    return list(root.operands) if root.opcode == "tuple" else [root]
+
+
 def is_update_fusion(body: Computation) -> bool:
-    """Whether ``body`` (a fused computation) runs with this module's kernel: every output is a
-    dynamic-update-slice of a body parameter."""
-    roots = update_roots(body)
-    return roots is not None and all(r.operands[0].opcode == "parameter" for r in roots)
+    """Whether ``body`` (a fused computation) runs with this module's kernel: some output is a
+    dynamic-update-slice, and every such output updates a body parameter."""
+    updates = [r for r in output_roots(body) if r.opcode == "dynamic-update-slice"]
+    return bool(updates) and all(r.operands[0].opcode == "parameter" for r in updates)
 
 
 def build_update_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable:
-    """Kernel for a ``fusion`` whose outputs are all dynamic-update-slices.
+    """Kernel for a ``fusion`` with dynamic-update-slice outputs (``is_update_fusion``).
 
     Array fusion: ``(operands, out) -> Tensor``; tuple fusion: ``(operands, dests) -> tuple``
     (``dests`` None or one tensor-or-None per element). Operands on one device, any strides;
@@ -57,17 +66,17 @@ def build_update_fusion(inst: Instruction, dev: torch.device | None = None) -> C
     from spmd.runtime.kernels import compile_kernel
 
     body: Computation = inst.attrs["calls"]
-    roots = update_roots(body)
+    plan = _Plan(body)
     multi = body.root.opcode == "tuple"
-    plan = _Plan(body, roots)
     structure = structure_key(body)
-    writers = {}  # device -> unfused dynamic-update-slice kernels, one per output
+    writers = {}  # device -> per output: the unfused dynamic-update-slice kernel, or None (a value)
 
     def kernel(ops: list[Tensor], dests):
-        dests = ([None] * len(roots) if dests is None else list(dests)) if multi else [dests]
+        dests = ([None] * len(plan.roots) if dests is None else list(dests)) if multi else [dests]
         device = ops[0].device
         if device not in writers:
-            writers[device] = [compile_kernel(r, device) for r in roots]
+            writers[device] = [compile_kernel(r, device) if b >= 0 else None
+                               for r, b in zip(plan.roots, plan.buffers, strict=True)]
         mode = fusion_compiler(device)
         outs = None
         if plan.exclusive and not (mode == "eager" or (mode == "graphs" and not _graph_call())):
@@ -79,18 +88,22 @@ def build_update_fusion(inst: Instruction, dev: torch.device | None = None) -> C
 
 
 class _Plan:
-    """Which body parameters are the buffers, and the op-by-op evaluation of the updates and starts."""
+    """Per output its buffer parameter (-1 for a value), and the op-by-op evaluation of the body
+    up to the stores: each update with its starts, each value."""
 
-    def __init__(self, body: Computation, roots: list[Instruction]) -> None:
-        self.roots = roots
-        self.buffers = [r.operands[0].attrs["parameter_number"] for r in roots]
+    def __init__(self, body: Computation) -> None:
+        self.roots = output_roots(body)
+        dus = [r.opcode == "dynamic-update-slice" for r in self.roots]
+        self.buffers = [r.operands[0].attrs["parameter_number"] if u else -1 for r, u in zip(self.roots, dus,
+                                                                                               strict=True)]
         users = body.users()
+        updates = [r for r, u in zip(self.roots, dus, strict=True) if u]
         # in place only over a buffer nothing else in the body reads (else the stores could race its reads)
-        self.exclusive = len(set(self.buffers)) == len(roots) and all(
-            users.get(r.operands[0], []) == [r] and r.operands.count(r.operands[0]) == 1 for r in roots)
+        self.exclusive = len({r.operands[0].name for r in updates}) == len(updates) and all(
+            users.get(r.operands[0], []) == [r] and r.operands.count(r.operands[0]) == 1 for r in updates)
         self.moving = [tuple(d for d, (n, s) in enumerate(zip(r.shape.dims, r.operands[1].shape.dims, strict=True))
-                             if s < n) for r in roots]
-        skip = {id(r) for r in roots} | {id(body.root)}
+                             if s < n) if u else () for r, u in zip(self.roots, dus, strict=True)]
+        skip = {id(r) for r in updates} | ({id(body.root)} if body.root.opcode == "tuple" else set())
         index = {id(p): p.attrs["parameter_number"] for p in body.parameters}
         self.steps, slot = [], {}
         for i in body.instructions:
@@ -99,10 +112,16 @@ class _Plan:
             slot[id(i)] = len(self.steps)
             self.steps.append((i, [(id(o) in index, index.get(id(o), slot.get(id(o)))) for o in i.operands]))
         self.kernels: dict[str, list] = {}
-        self.reads = [[(id(o) in index, index.get(id(o), slot.get(id(o)))) for o in r.operands[1:]] for r in roots]
+        ref = [(id(o) in index, index.get(id(o), slot.get(id(o))))
+               for o in [x for r, u in zip(self.roots, dus, strict=True) for x in (r.operands[1:] if u else [r])]]
+        self.reads, k = [], 0
+        for r, u in zip(self.roots, dus, strict=True):
+            n = len(r.operands) - 1 if u else 1
+            self.reads.append(ref[k:k + n])
+            k += n
 
     def values(self, ops: list[Tensor]) -> list[list[Tensor]]:
-        """Per output: [update, start_0, ..., start_{rank-1}] computed from the fusion's operands."""
+        """Per output: [update, start_0, ..., start_{rank-1}], or [value], from the fusion's operands."""
         from spmd.runtime.kernels import compile_kernel
 
         device = ops[0].device
@@ -115,43 +134,47 @@ class _Plan:
         return [[ops[k] if is_param else vals[k] for is_param, k in srcs] for srcs in self.reads]
 
 
+def _fresh(root: Instruction, device: torch.device) -> Tensor:
+    return torch.empty(root.shape.dims, dtype=root.shape.torch_dtype, device=device)
+
+
 def _op_by_op(plan: _Plan, writers: list, ops: list[Tensor], dests: list) -> list[Tensor]:
-    """Every update computed, then each destination filled from its buffer and updated in place."""
+    """Every update and value computed, then each destination filled (from its buffer) and updated."""
     values = plan.values(ops)
-    outs = []
-    for r, d in zip(plan.roots, dests, strict=True):
-        if d is None:
-            d = torch.empty(r.shape.dims, dtype=r.shape.torch_dtype, device=ops[0].device)
-        outs.append(d)
+    outs = [d if d is not None else _fresh(r, ops[0].device) for r, d in zip(plan.roots, dests, strict=True)]
     sources = []
-    for k, d in enumerate(outs):
-        src = ops[plan.buffers[k]]
-        same = _same_view(src, d)
-        # a source another destination overwrites is read first
-        if not same and _overlaps(src, outs):
-            src = src.clone()
+    for b, d in zip(plan.buffers, outs, strict=True):
+        src = ops[b] if b >= 0 else None
+        same = src is not None and _same_view(src, d)
+        if src is not None and not same and _overlaps(src, outs):
+            src = src.clone()  # a source another destination overwrites is read first
         sources.append((src, same))
     values = [[v.clone() if _overlaps(v, outs) else v for v in vs] for vs in values]
     for (src, same), d in zip(sources, outs, strict=True):
-        if not same:
+        if src is not None and not same:
             d.copy_(src)
     for w, vs, d in zip(writers, values, outs, strict=True):
-        w([d, *vs], d)
+        if w is None:
+            d.copy_(vs[0])
+        else:
+            w([d, *vs], d)
     return outs
 
 
 def _generated(plan: _Plan, structure: tuple, ops: list[Tensor], dests: list) -> list[Tensor] | None:
-    """The update through one Inductor-generated kernel, or None where it cannot be used here."""
+    """The fusion through one Inductor-generated kernel, or None where it cannot be used here."""
     device = ops[0].device
-    buffers = set(plan.buffers)
-    outs = [d if d is not None else torch.empty_like(ops[b], memory_format=torch.contiguous_format)
-            for d, b in zip(dests, plan.buffers, strict=True)]
+    buffers = {b for b in plan.buffers if b >= 0}
+    outs = [d if d is not None else (_fresh(r, device) if b < 0 else
+                                     torch.empty_like(ops[b], memory_format=torch.contiguous_format))
+            for d, b, r in zip(dests, plan.buffers, plan.roots, strict=True)]
     others = [t for k, t in enumerate(ops) if k not in buffers]
-    for i, d in enumerate(outs):
+    for i, (d, b) in enumerate(zip(outs, plan.buffers, strict=True)):
         if d.device != device or _overlaps(d, others) or _overlaps(d, outs[:i]):
             return None
-        b = ops[plan.buffers[i]]
-        if not _same_view(b, d) and _overlaps(d, [b]):
+        if b >= 0 and not _same_view(ops[b], d) and _overlaps(d, [ops[b]]):
+            return None
+        if b < 0 and _overlaps(d, [ops[k] for k in buffers]):
             return None
     if any(t.device != device for t in others):
         return None  # host start indices: the unfused writer narrows on the host values
@@ -159,14 +182,14 @@ def _generated(plan: _Plan, structure: tuple, ops: list[Tensor], dests: list) ->
     if writer is None:
         return None
     for d, b in zip(outs, plan.buffers, strict=True):
-        if not _same_view(ops[b], d):
+        if b >= 0 and not _same_view(ops[b], d):
             d.copy_(ops[b])
     writer(*others, *outs)
     return outs
 
 
 def _compile(plan: _Plan, structure: tuple, ops: list[Tensor], outs: list[Tensor]) -> Callable | None:
-    buffers = set(plan.buffers)
+    buffers = {b for b in plan.buffers if b >= 0}
     others = [t for k, t in enumerate(ops) if k not in buffers]
     key = ("update-into", structure, str(ops[0].device),
            *((tuple(t.shape), t.stride(), t.dtype) for t in [*others, *outs]))
@@ -177,7 +200,7 @@ def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor]) -> Callable:
     """The traced and compiled ``write(*other operands, *dests)``; checked once on copies."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    buffers = set(plan.buffers)
+    buffers = {b for b in plan.buffers if b >= 0}
     positions = [k for k in range(len(ops)) if k not in buffers]
     n = len(outs)
 
@@ -187,34 +210,39 @@ def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor]) -> Callable:
             full[k] = t
         dests = args[-n:]
         for b, d in zip(plan.buffers, dests, strict=True):
-            full[b] = d  # never read by the body (exclusive buffers)
-        values = plan.values(full)
-        for d, moving, (upd, *starts) in zip(dests, plan.moving, values, strict=True):
-            _store(d, moving, upd, starts)
+            if b >= 0:
+                full[b] = d  # never read by the body (exclusive buffers)
+        for d, b, moving, vs in zip(dests, plan.buffers, plan.moving, plan.values(full), strict=True):
+            _store(d, b, moving, vs)
         return tuple(dests)
 
     others = [ops[k] for k in positions]
     with torch.no_grad():
-        want = [ops[b].clone() for b in plan.buffers]
-        for d, moving, (upd, *starts) in zip(want, plan.moving, plan.values(ops), strict=True):
-            _store(d, moving, upd.clone(), starts)
-        scratch = [torch.empty_strided(d.shape, d.stride(), dtype=d.dtype, device=d.device).copy_(ops[b])
-                   for d, b in zip(outs, plan.buffers, strict=True)]
+        want = [ops[b].clone() if b >= 0 else torch.empty_like(d) for d, b in zip(outs, plan.buffers, strict=True)]
+        for d, b, moving, vs in zip(want, plan.buffers, plan.moving, plan.values(ops), strict=True):
+            _store(d, b, moving, [v.clone() for v in vs])
+        scratch = [torch.empty_strided(d.shape, d.stride(), dtype=d.dtype, device=d.device) for d in outs]
+        for t, b in zip(scratch, plan.buffers, strict=True):
+            if b >= 0:
+                t.copy_(ops[b])
         gm = make_fx(write)(*others, *[s.clone() for s in scratch])
         compiled = torch._inductor.compile(gm, [*others, *scratch], options=_INDUCTOR_OPTIONS)
         compiled(*others, *scratch)
     for got, w in zip(scratch, want, strict=True):
         if not torch.allclose(got.double(), w.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
             raise RuntimeError("compiled update fusion wrote other values")
+    metrics.counter("fusion.update.compiled").inc()
 
     def run(*args: Tensor) -> None:
         compiled(*args)
     return run
 
 
-def _store(dest: Tensor, moving: tuple[int, ...], update: Tensor, starts: list[Tensor]) -> None:
-    """``dest`` with ``update`` written in place at ``starts`` clamped to ``[0, n - size]`` (traceable)."""
-    if not moving:
+def _store(dest: Tensor, buffer: int, moving: tuple[int, ...], vs: list[Tensor]) -> None:
+    """``dest`` = value ``vs[0]`` (``buffer`` < 0), or ``vs[0]`` written in place at starts ``vs[1:]``
+    clamped to ``[0, n - size]`` (traceable)."""
+    update, starts = vs[0], vs[1:]
+    if buffer < 0 or not moving:
         dest.copy_(update)
         return
     index = []

@@ -19,9 +19,10 @@ from spmd.runtime.lower import lower
 from spmd.runtime.thunks import KernelThunk, MultiOutputKernelThunk
 
 
-def _decode_program(layers: int, gpu: bool):
-    """(entry instructions by name, kernel thunks that are no views) of the donating decode variant."""
-    model = llama_lm("llama2-7b", layers, small=True, seed=0)
+def _decode_program(layers: int, gpu: bool, kv_heads: int = 2):
+    """(entry instructions by name, kernel thunks that are no views, the program) of the donating
+    decode variant; ``kv_heads`` 2 (GQA: 4 query heads) or 4 (multi-head attention, as Llama-2-7B)."""
+    model = llama_lm("llama2-7b", layers, small=True, seed=0, num_kv_heads=kv_heads)
     gen = Generator(model, spmd.Mesh.create(("tp",), devices="cpu:1"), max_batch=2, max_seq=16, prefill_len=4)
     gen.generate([[1, 2, 3], [4]], 2)
     (compiled,) = gen.programs(Sampling())[1]._cache.values()
@@ -35,26 +36,39 @@ def _decode_program(layers: int, gpu: bool):
     return insts, kernels, program
 
 
-def _per_layer(gpu: bool) -> tuple[Counter, list]:
+def _per_layer(gpu: bool, kv_heads: int = 2) -> tuple[Counter, list]:
     counts = []
     for layers in (1, 2):
-        insts, kernels, program = _decode_program(layers, gpu)
+        insts, kernels, program = _decode_program(layers, gpu, kv_heads)
         counts.append(Counter(insts[t.name].opcode for t in kernels))
     return counts[1] - counts[0], (insts, kernels, program)
 
 
-@pytest.mark.parametrize("gpu", [False, True])
-def test_one_kernel_writes_both_caches_per_layer(gpu):
-    per_layer, (insts, kernels, program) = _per_layer(gpu)
+def _cache_writes(insts, kernels) -> list[MultiOutputKernelThunk]:
+    return [t for t in kernels if isinstance(t, MultiOutputKernelThunk)
+            and sum(s.opcode == "dynamic-update-slice" for s in insts[t.name].attrs["calls"].root.operands) == 2]
+
+
+@pytest.mark.parametrize(("gpu", "kv_heads"), [(False, 2), (True, 2), (True, 4)])
+def test_one_kernel_writes_both_caches_per_layer(gpu, kv_heads):
+    per_layer, (insts, kernels, program) = _per_layer(gpu, kv_heads)
     assert per_layer["dynamic-update-slice"] == 0
-    writes = [t for t in kernels if isinstance(t, MultiOutputKernelThunk)
-              and all(s.opcode == "dynamic-update-slice" for s in insts[t.name].attrs["calls"].root.operands)]
+    writes = _cache_writes(insts, kernels)
     assert len(writes) == 2  # one per layer
-    for t in writes:  # both elements stored into donated cache buffers, in place
-        assert len(t.buffers) == 2 and all(b >= len(program.arena_views) for b in t.buffers)
-    # per layer: q rotary, the k/v cache write (with k's rotary), 2 RMS norms, SwiGLU
-    assert per_layer["fusion"] == 5
-    assert sum(per_layer.values()) == 13, per_layer  # 15 before: the rotary of k and two dynamic-update-slices
+    for t in writes:  # both caches stored into their donated buffers, in place
+        roots = insts[t.name].attrs["calls"].root.operands
+        cache_buffers = [b for b, r in zip(t.buffers, roots, strict=True) if r.opcode == "dynamic-update-slice"]
+        assert all(b >= len(program.arena_views) for b in cache_buffers)
+        assert program.output_donors  # the cache outputs are the donated cache arguments
+    if kv_heads == 2:
+        # GQA, per layer: q rotary, the k/v cache write (with k's rotary), 2 RMS norms, SwiGLU;
+        # 15 kernels before (rotary of k and two dynamic-update-slices apart)
+        assert per_layer["fusion"] == 5 and sum(per_layer.values()) == 13, per_layer
+    else:
+        # MHA (q has the k update's dims): q's rotary joins the cache write, 3 outputs, one kernel;
+        # 4 fusions per layer (q/k rotary + k/v writes, 2 RMS norms, SwiGLU); 12 kernels before
+        assert all(len(t.buffers) == 3 for t in writes)
+        assert per_layer["fusion"] == 4 and sum(per_layer.values()) == 10, per_layer
 
 
 def test_decode_with_fused_cache_writes_equals_eager_kv():

@@ -32,6 +32,27 @@ KV_WRITE = module(
      "ROOT %out = (f32[2,2,8,4], f32[2,2,8,4]) tuple(%nk, %nv)"],
     "(f32[2,2,8,4], f32[2,2,8,4])")
 
+# With q: q and k are slices of one projection (x); q's rotary runs over [.., 2, 2] and is
+# reshaped back to [.., 4], the k update's dims (multi-head attention).
+QKV_WRITE = module(
+    ["ck: f32[2,2,8,4]", "cv: f32[2,2,8,4]", "x: f32[2,2,1,8]", "v: f32[2,1,2,4]", "cs: f32[2,1,4]", "pos: f32[]"],
+    ["%xq = f32[2,2,1,4] slice(%x), slice={[0:2], [0:2], [0:1], [0:4]}",
+     "%xq5 = f32[2,2,1,2,2] reshape(%xq)",
+     "%e = f32[2,2,1,2,2] exponential(%xq5)",
+     "%q2 = f32[2,2,1,2,2] multiply(%e, %xq5)",
+     "%qr = f32[2,2,1,4] reshape(%q2)",
+     "%xk = f32[2,2,1,4] slice(%x), slice={[0:2], [0:2], [0:1], [4:8]}",
+     "%cb = f32[2,2,1,4] broadcast(%cs), dimensions={0,2,3}",
+     "%k1 = f32[2,2,1,4] multiply(%xk, %cb)",
+     "%k2 = f32[2,2,1,4] add(%k1, %xk)",
+     "%z = s64[] constant(0)",
+     "%s = s64[] convert(%pos)",
+     "%nk = f32[2,2,8,4] dynamic-update-slice(%ck, %k2, %z, %z, %s, %z)",
+     "%vt = f32[2,2,1,4] transpose(%v), dimensions={0,2,1,3}",
+     "%nv = f32[2,2,8,4] dynamic-update-slice(%cv, %vt, %z, %z, %s, %z)",
+     "ROOT %out = (f32[2,2,1,4], f32[2,2,8,4], f32[2,2,8,4]) tuple(%qr, %nk, %nv)"],
+    "(f32[2,2,1,4], f32[2,2,8,4], f32[2,2,8,4])")
+
 
 def _fused(text: str) -> str:
     mod = parse_module(text)
@@ -121,6 +142,54 @@ ENTRY %main (ck: f32[2,2,8,4], cv: f32[2,2,8,4], k: f32[2,2,1,4], v: f32[2,1,2,4
   %get-tuple-element = f32[2,2,8,4] get-tuple-element(%fusion.2), index=0
   %get-tuple-element.1 = f32[2,2,8,4] get-tuple-element(%fusion.2), index=1
   ROOT %out = (f32[2,2,8,4], f32[2,2,8,4]) tuple(%get-tuple-element, %get-tuple-element.1)
+}
+""")
+
+    def test_a_sibling_reshaped_to_the_update_dims_joins_the_cache_writes(self):
+        fused = _fused(QKV_WRITE)
+        assert _opcodes(parse_module(fused)).count("fusion") == 3
+        out, mod = run_pass_checked(MultiOutputFusion(), fused)
+        assert _opcodes(mod).count("fusion") == 1 and "reshape" not in _opcodes(mod)
+        self.assertExpectedInline(out, """\
+HloModule m, num_partitions=1, mesh={tp=1}, is_partitioned=true
+
+%fused_computation.4 (param_0.3: f32[2,2,1,8], param_1.2: f32[2,1,4], param_2.2: f32[2,2,8,4], param_3.2: s64[], param_4.1: s64[], param_5: f32[2,1,2,4], param_6: f32[2,2,8,4]) -> (f32[2,2,1,4], f32[2,2,8,4], f32[2,2,8,4]) {
+  %param_0.3 = f32[2,2,1,8] parameter(0)
+  %xq.1.1.1 = f32[2,2,1,4] slice(%param_0.3), slice={[0:2:1], [0:2:1], [0:1:1], [0:4:1]}
+  %xq5.1.1.1 = f32[2,2,1,2,2] reshape(%xq.1.1.1)
+  %e.1.1.1 = f32[2,2,1,2,2] exponential(%xq5.1.1.1)
+  %q2.1.1.1 = f32[2,2,1,2,2] multiply(%e.1.1.1, %xq5.1.1.1)
+  %qr.1.1 = f32[2,2,1,4] reshape(%q2.1.1.1)
+  %param_1.2 = f32[2,1,4] parameter(1)
+  %param_2.2 = f32[2,2,8,4] parameter(2)
+  %param_3.2 = s64[] parameter(3)
+  %param_4.1 = s64[] parameter(4)
+  %xk.1.1 = f32[2,2,1,4] slice(%param_0.3), slice={[0:2:1], [0:2:1], [0:1:1], [4:8:1]}
+  %cb.1.1 = f32[2,2,1,4] broadcast(%param_1.2), dimensions={0,2,3}
+  %k1.1.1 = f32[2,2,1,4] multiply(%xk.1.1, %cb.1.1)
+  %k2.1.1 = f32[2,2,1,4] add(%k1.1.1, %xk.1.1)
+  %nk.1.1 = f32[2,2,8,4] dynamic-update-slice(%param_2.2, %k2.1.1, %param_3.2, %param_3.2, %param_4.1, %param_3.2)
+  %param_5 = f32[2,1,2,4] parameter(5)
+  %param_6 = f32[2,2,8,4] parameter(6)
+  %vt.1.1 = f32[2,2,1,4] transpose(%param_5), dimensions={0,2,1,3}
+  %nv.1.1 = f32[2,2,8,4] dynamic-update-slice(%param_6, %vt.1.1, %param_3.2, %param_3.2, %param_4.1, %param_3.2)
+  ROOT %tuple = (f32[2,2,1,4], f32[2,2,8,4], f32[2,2,8,4]) tuple(%qr.1.1, %nk.1.1, %nv.1.1)
+}
+
+ENTRY %main (ck: f32[2,2,8,4], cv: f32[2,2,8,4], x: f32[2,2,1,8], v: f32[2,1,2,4], cs: f32[2,1,4], pos: f32[]) -> (f32[2,2,1,4], f32[2,2,8,4], f32[2,2,8,4]) {
+  %ck = f32[2,2,8,4] parameter(0)
+  %cv = f32[2,2,8,4] parameter(1)
+  %x = f32[2,2,1,8] parameter(2)
+  %v = f32[2,1,2,4] parameter(3)
+  %cs = f32[2,1,4] parameter(4)
+  %pos = f32[] parameter(5)
+  %z = s64[] constant(0)
+  %s = s64[] convert(%pos)
+  %fusion.4 = (f32[2,2,1,4], f32[2,2,8,4], f32[2,2,8,4]) fusion(%x, %cs, %ck, %z, %s, %v, %cv), calls=%fused_computation.4, kind=kLoop
+  %get-tuple-element = f32[2,2,1,4] get-tuple-element(%fusion.4), index=0
+  %get-tuple-element.1 = f32[2,2,8,4] get-tuple-element(%fusion.4), index=1
+  %get-tuple-element.2 = f32[2,2,8,4] get-tuple-element(%fusion.4), index=2
+  ROOT %out = (f32[2,2,1,4], f32[2,2,8,4], f32[2,2,8,4]) tuple(%get-tuple-element, %get-tuple-element.1, %get-tuple-element.2)
 }
 """)
 
