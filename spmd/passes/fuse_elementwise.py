@@ -30,7 +30,9 @@ concatenate or pad launches a kernel of its own when unfused; fused, it is a sel
 its operands (and the fill value) per output element (Inductor's pointwise cat: rotary
 embeddings' ``cat(-x2, x1)`` then costs no kernel beside the multiply-adds that read it; its
 backward, the pads ``simplify`` makes of ``slice_scatter`` into zeros, likewise; XLA's loop
-fusion takes both). Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, other pads,
+fusion takes both). A ``dynamic-update-slice`` roots a group grown through its update only, its
+buffer updated in place (``spmd.passes.fuse_update_slice``: a KV-cache write with the rotary
+embedding that produces it). Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, other pads,
 longer concatenates (collective buckets), other custom calls, anything with a tuple shape or no
 elements, values the lowering folds on
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants

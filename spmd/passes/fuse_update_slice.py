@@ -10,8 +10,8 @@ its multi-output fusion puts sibling in-place updates at the same position into 
 
 fuse-elementwise (``spmd.passes.fuse_elementwise``) applies these rules:
 
-- a ``dynamic-update-slice`` may root a group (``is_update_root``); it is never a producer
-  inside another group;
+- a ``dynamic-update-slice`` of an entry parameter may root a group (``is_update_root``); it is
+  never a producer inside another group;
 - the group grows only through operand 1 (the update): operand 0 (the buffer updated in place)
   and the start indices stay inputs of the fusion (``grown_operands``);
 - the group becomes a fusion when it has at least ``min_kernels`` kernel-launching members, or
@@ -37,8 +37,14 @@ DUS = "dynamic-update-slice"
 
 
 def is_update_root(inst: Instruction) -> bool:
-    """An array ``dynamic-update-slice`` with a non-empty update of the buffer's dtype: may root a fusion."""
-    if inst.opcode != DUS or inst.shape.is_tuple or inst.shape.numel == 0:
+    """An array ``dynamic-update-slice`` of a parameter (a KV cache, state the caller may donate)
+    with a non-empty update of the buffer's dtype: may root a fusion.
+
+    Only parameters: buffer assignment runs an unfused dynamic-update-slice of an intermediate
+    value in place in the arena (a windowed einsum's accumulator), while a fusion's result is
+    memory of its own (a copy of the whole buffer); a parameter is copied either way unless donated.
+    """
+    if inst.opcode != DUS or inst.shape.is_tuple or inst.shape.numel == 0 or inst.operands[0].opcode != "parameter":
         return False
     update = inst.operands[1]
     return update.shape.numel > 0 and update.shape.dtype == inst.shape.dtype
