@@ -16,7 +16,9 @@ every store are traced with ``make_fx`` into ``dest_i.index_copy_(dim, rows_i, u
 inputs and compiled by PyTorch Inductor:
 one Triton kernel over the update's elements with one store per output (XLA's in-place
 dynamic-update-slice loop fusion). It is checked once against the op-by-op result (each kernel
-compiled counts ``fusion.update.compiled``; a failure ``fusion.fallback.<exception type>``). Elsewhere,
+compiled counts ``fusion.update.compiled`` and the kernels Inductor generated for it
+``fusion.update.kernels``, 0 for a graph from Inductor's cache; a failure
+``fusion.fallback.<exception type>``). Elsewhere,
 and where Inductor fails or the destinations overlap other operands, the body runs op by op
 (every update computed before any store) and each update is written with the unfused
 dynamic-update-slice kernel, in place over its destination.
@@ -226,16 +228,38 @@ def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor]) -> Callable:
             if b >= 0:
                 t.copy_(ops[b])
         gm = make_fx(write)(*others, *[s.clone() for s in scratch])
-        compiled = torch._inductor.compile(gm, [*others, *scratch], options=_INDUCTOR_OPTIONS)
+        kernels = _generated_kernels()
+        compiled = torch._inductor.compile(gm, [*others, *scratch], options=_options())
+        kernels = _generated_kernels() - kernels
         compiled(*others, *scratch)
     for got, w in zip(scratch, want, strict=True):
         if not torch.allclose(got.double(), w.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
             raise RuntimeError("compiled update fusion wrote other values")
     metrics.counter("fusion.update.compiled").inc()
+    metrics.counter("fusion.update.kernels").inc(kernels)
 
     def run(*args: Tensor) -> None:
         compiled(*args)
     return run
+
+
+def _generated_kernels() -> int:
+    """Inductor's count of the kernels it generated in this process (0 where this torch lacks it)."""
+    from torch._inductor import metrics as inductor_metrics
+
+    return int(getattr(inductor_metrics, "generated_kernel_count", 0))
+
+
+def _options() -> dict:
+    """Inductor options of the update kernel: ``_INDUCTOR_OPTIONS``, and every store fused into one
+    loop. Inductor fuses two pointwise nodes only when they read common data
+    (``score_fusion_memory_threshold``); the k and v cache writes share no read but the position
+    (a scalar read counts for nothing), so they would be two kernels. Options this torch lacks are
+    left out."""
+    import torch._inductor.config as config
+
+    wanted = {"aggressive_fusion": True, "score_fusion_memory_threshold": 0}
+    return {**_INDUCTOR_OPTIONS, **{k: v for k, v in wanted.items() if hasattr(config, k)}}
 
 
 def _store(dest: Tensor, buffer: int, moving: tuple[int, ...], vs: list[Tensor]) -> None:

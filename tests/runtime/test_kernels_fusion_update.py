@@ -64,25 +64,31 @@ def _fallbacks() -> int:
     return sum(v for k, v in spmd.metrics.snapshot()["counters"].items() if k.startswith("fusion.fallback."))
 
 
-def _generated_decode_matches_eager(device: str, kv_heads: int):
+def _generated_decode_matches_eager(device: str, kv_heads: int, max_seq: int,
+                                    prefill_len: int = 4) -> tuple[int, int]:
+    """Greedy tokens and caches of generated update kernels equal eager PyTorch; returns (update
+    fusions compiled, kernels Inductor generated for them). ``max_seq``: a cache length no other
+    test uses, so that the kernels are compiled here."""
     from spmd.generation import Generator
     from spmd.generation.reference import reference_generate
     from spmd.models.llama_lm import llama_lm
 
     model = llama_lm(small=True, seed=4, device=f"{device}:0", num_kv_heads=kv_heads)
-    gen = Generator(model, spmd.Mesh.create(("tp",), devices=f"{device}:1"), max_batch=2, max_seq=16, prefill_len=4)
-    prompts = [[5, 17, 3], [11]]
-    compiled, fallbacks = spmd.metrics.counter("fusion.update.compiled").value, _fallbacks()
+    gen = Generator(model, spmd.Mesh.create(("tp",), devices=f"{device}:1"), max_batch=2, max_seq=max_seq,
+                    prefill_len=prefill_len)
+    prompts = [[5, 17, 3], [11]] if prefill_len >= 3 else [[5], [11]]
+    compiled, kernels = (spmd.metrics.counter(f"fusion.update.{k}") for k in ("compiled", "kernels"))
+    before, fallbacks = (compiled.value, kernels.value), _fallbacks()
     gen.generate(prompts, 3)  # on CUDA the first calls run eagerly, the next capture the graphs
     res = gen.generate(prompts, 8)
     tokens, start = gen.pad_prompts(prompts)
-    ref, ref_kv = reference_generate(model, tokens, start, 8, 16)
+    ref, ref_kv = reference_generate(model, tokens, start, 8, max_seq)
     assert torch.equal(res.tokens, ref.cpu())
     for (k, v), (rk, rv) in zip(gen.kv_cache(), ref_kv, strict=True):
         torch.testing.assert_close(k, rk.cpu(), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v, rv.cpu(), rtol=1e-4, atol=1e-4)
-    assert spmd.metrics.counter("fusion.update.compiled").value > compiled  # the generated kernel ran
     assert _fallbacks() == fallbacks
+    return compiled.value - before[0], kernels.value - before[1]
 
 
 @pytest.mark.slow
@@ -90,10 +96,20 @@ def test_generated_kernel_on_cpu_equals_eager(monkeypatch):
     """The Inductor path on CPU (``SPMD_FUSION_COMPILER=inductor``: C++ kernels), multi-head attention:
     q's rotary, k and v cache writes traced and compiled into one kernel, tokens and caches as eager."""
     monkeypatch.setenv("SPMD_FUSION_COMPILER", "inductor")
-    _generated_decode_matches_eager("cpu", kv_heads=4)
+    compiled, _ = _generated_decode_matches_eager("cpu", kv_heads=4, max_seq=17)
+    assert compiled >= 2  # prefill and decode
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_generated_kernel_on_gpu_equals_eager(kv_heads):
-    _generated_decode_matches_eager("cuda", kv_heads)
+def test_generated_kernel_on_gpu_is_one_triton_kernel_and_equals_eager(monkeypatch, kv_heads):
+    """Each update fusion (the k / v cache writes with k's rotary, and q's rotary under multi-head
+    attention) compiles to one Triton kernel: Inductor would split the two cache writes, which
+    share no read but the position, without ``_options``' fusion settings."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # count kernels generated here
+    # one-token prompts: the prefill writes one row as the decode step does (a longer prefill may
+    # take a second kernel for q's transposed rows)
+    compiled, kernels = _generated_decode_matches_eager("cuda", kv_heads, max_seq=18 + kv_heads, prefill_len=1)
+    assert compiled >= 2 and kernels == compiled, (compiled, kernels)
