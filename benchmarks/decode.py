@@ -29,6 +29,7 @@ Output: a printed table and, with ``--doc`` (default on GPU), a row set in docs/
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import time
@@ -241,15 +242,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+class TimeBoxEnded(BaseException):  # not caught by the per-variant error handling
+    """SIGTERM arrived (the stage's time box ended): write the finished batches and stop."""
+
+
+def _time_box_ended(signum, frame):
+    raise TimeBoxEnded
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else "cpu"
     log = lambda msg: print(f"[decode] {msg}", flush=True)  # noqa: E731
-    records = []
-    for batch in args.batch:
-        records += bench_batch(args, batch, device, log)
-        for row in table_rows([r for r in records if r["batch"] == batch]):  # kept if a later batch is cut short
-            log(" | ".join(row))
+    records, cut = [], None
+    previous = signal.signal(signal.SIGTERM, _time_box_ended)  # run_gpu.sh's `timeout` sends SIGTERM
+    try:
+        for batch in args.batch:
+            records += bench_batch(args, batch, device, log)
+            for row in table_rows([r for r in records if r["batch"] == batch]):
+                log(" | ".join(row))
+    except TimeBoxEnded:
+        cut = f"The time box ended during batch {batch}: the rows are the batches finished before it."
+        log(cut)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     shape = "small (hidden 64, 2 layers, float32)" if args.small else f"Llama-2-7B, {args.layers} layers, bf16"
     title = (f"decode: {shape}, prompt {args.prompt_len}, {args.new_tokens} new tokens, one "
              f"{'GPU' if args.device == 'cuda' else 'CPU'}, greedy, medians of {args.rounds} interleaved rounds "
@@ -263,8 +279,9 @@ def main(argv=None) -> int:
     for r in records:
         if r.get("error"):
             print(f"  batch {r['batch']} {r['variant']}: {r['error']}")
-    if args.doc:
-        notes = "\n".join(f"- batch {r['batch']} {r['variant']}: {r['error']}" for r in records if r.get("error"))
+    if args.doc and records:
+        notes = "\n".join([*(f"- batch {r['batch']} {r['variant']}: {r['error']}" for r in records if r.get("error")),
+                           *([f"- {cut}"] if cut else [])])
         body = f"{title}.\n\n{reporting.markdown_table(HEADERS, rows)}\n\n{notes}"
         reporting.append_row_set(DOC, "decode (Llama generation, one GPU)", reporting.hardware_info(), body)
     return 0 if any(not r.get("error") for r in records) else 1

@@ -107,8 +107,11 @@ tests_stage() {
   local secs=$1 extra=()
   python3 -c 'import pytest_timeout' 2>/dev/null && extra=(--timeout=120)
   # shellcheck disable=SC2086
-  run_stage tests "$secs" python3 -m pytest -m "gpu and not slow" -q -p no:cacheprovider "${extra[@]}" \
-    ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
+  # -v: the log names every test that finished, also when the time box cuts the stage short;
+  # --durations: the slowest tests, to keep the stage inside one device call
+  run_stage tests "$secs" python3 -m pytest -m "gpu and not slow" -v -p no:cacheprovider --durations=30 \
+    "${extra[@]}" ${PYTEST_ARGS:-} >"$OUT/gpu_tests.log" 2>&1
+  grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | head -n 20
   tail -n 40 "$OUT/gpu_tests.log"
 }
 
