@@ -112,6 +112,7 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
     for v in args.variants:
         model, x, y = build_model(args)
         t0 = time.perf_counter()
+        before = _graph_counters()
         if v.startswith("spmd"):
             steps[v] = _spmd_step(model, x, y, args.device, fused_attention=v != "spmd-math",
                                   remat=args.remat if v == "spmd-remat" else "none",
@@ -121,7 +122,10 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
         for _ in range(args.warmup):
             steps[v]()
         _sync(args.device)
-        log(f"{v}: built and warmed up in {time.perf_counter() - t0:.1f} s")
+        warm: dict[str, int] = {}
+        _add_deltas(warm, before, _graph_counters())  # captures, staged copies, donated outputs copied in the graph
+        log(f"{v}: built and warmed up in {time.perf_counter() - t0:.1f} s"
+            + (f"; cuda_graphs: {warm}" if v.startswith("spmd") else ""))
     times: dict[str, list[float]] = {v: [] for v in steps}
     host: dict[str, list[float]] = {v: [] for v in steps}
     graphs: dict[str, dict[str, int]] = {v: {} for v in steps}
