@@ -305,6 +305,9 @@ def _minmax(kind: str, with_indices: bool):
     def convert(em: Emitter, a: dict, val) -> Any:
         x = a["self"]
         dims = norm_dims(a.get("dim"), x.shape.rank)
+        if any(x.shape.dims[d] == 0 for d in dims):  # torch raises too: no elements, no extreme value
+            name = {"maximum": "max", "minimum": "min"}[kind]
+            raise ValueError(f"{name}: expected non-empty reduced dims {list(dims)}, got shape {list(x.shape.dims)}")
         r = em.reduce(x, dims, kind)
         if with_indices:
             return _keep(em, r, val[0]), Missing(f"aten.{'max' if kind == 'maximum' else 'min'}.dim indices")

@@ -151,3 +151,18 @@ def test_order_statistics_along_an_expanded_dim(devices, spec):
     median = spmd.jit(lambda t: t.expand(8, 3, 4).median(dim=1).values, mesh=mesh, in_shardings=(spec,),
                       out_shardings=P())
     torch.testing.assert_close(median(x).to_torch(), x[:, 0, :], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x")])
+def test_median_of_no_elements(spec):
+    """``median()`` of an empty float tensor is NaN, as in eager; ``median(dim)`` over a zero-size
+    dim (IndexError in eager) and an empty integer median are ValueErrors. Both failed inside the
+    runtime ("shape '[4]' is invalid for input of size 0")."""
+    mesh = Mesh.create(("x",), devices="cpu:2")
+    x = torch.randn(4, 0)
+    got = spmd.jit(lambda t: t.median() + 1, mesh=mesh, in_shardings=(spec,), out_shardings=P())(x).to_torch()
+    assert got.shape == () and got.dtype == torch.float32 and torch.isnan(got)
+    with pytest.raises(ValueError, match=r"median: expected a non-empty dim 1, got shape \[4, 0\]"):
+        spmd.jit(lambda t: t.median(1).values, mesh=mesh, in_shardings=(spec,), out_shardings=P())(x)
+    with pytest.raises(ValueError, match="median: expected a non-empty tensor of dtype torch.int64"):
+        spmd.jit(lambda t: t.median(), mesh=mesh, in_shardings=(spec,), out_shardings=P())(x.long())
