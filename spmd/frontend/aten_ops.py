@@ -193,6 +193,9 @@ def _square(em: Emitter, a: dict, val) -> Instruction:
 def _pow_scalar(em: Emitter, a: dict, val) -> Instruction:
     """x ** e; e in {1, 2} (and 0.5, -0.5 for floats) map to copy-free ops as PyTorch computes them."""
     e = a["exponent"]
+    if not val.dtype.is_floating_point and not val.dtype.is_complex and isinstance(e, int) and e < 0:
+        raise ValueError(f"pow: an integer tensor to a negative integer power ({e}) is not allowed (as in "
+                         f"PyTorch); convert the base to floating point first")
     x = operand(em, a["self"], out_dtype(val), out_dims(val))
     if e == 1:
         return x

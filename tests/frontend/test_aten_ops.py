@@ -277,3 +277,15 @@ def test_reductions_over_an_empty_dim_equal_eager(spec):
     got = spmd.jit(fn, mesh=MESH2, in_shardings=(spec,), out_shardings=P())(x.float())
     for g, r in zip(got, fn(x)):
         torch.testing.assert_close(g.to_torch().double(), r, equal_nan=True)
+
+
+@pytest.mark.parametrize("e", [-1, -3])
+def test_integer_to_a_negative_integer_power_is_a_value_error(e):
+    """Eager raises "Integers to negative integer powers are not allowed"; compiled it returned
+    truncated values (2 ** -1 == 0)."""
+    with pytest.raises(ValueError, match=rf"pow: an integer tensor to a negative integer power \({e}\)"):
+        spmd.jit(lambda x: x ** e, mesh=MESH2, in_shardings=(P("tp"),), out_shardings=P())(torch.arange(1, 5))
+    x = torch.arange(1, 5)
+    got = spmd.jit(lambda t: (t ** 3, t.float() ** e), mesh=MESH2, in_shardings=(P("tp"),), out_shardings=P())(x)
+    assert torch.equal(got[0].to_torch(), x ** 3)
+    torch.testing.assert_close(got[1].to_torch(), x.float() ** e)
