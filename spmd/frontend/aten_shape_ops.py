@@ -37,6 +37,8 @@ def _permute(em: Emitter, a: dict, val) -> Instruction:
 @register(aten.transpose.int)
 def _transpose(em: Emitter, a: dict, val) -> Instruction:
     x = a["self"]
+    if x.shape.rank == 0:  # torch allows dims 0 / -1 of a 0-d tensor: nothing to swap
+        return x
     perm = list(range(x.shape.rank))
     d0, d1 = norm_dim(a["dim0"], x.shape.rank), norm_dim(a["dim1"], x.shape.rank)
     perm[d0], perm[d1] = perm[d1], perm[d0]
