@@ -88,6 +88,19 @@ def _spmd_step(model, x, y, device: str, fused_attention: bool = True,
     return step
 
 
+def _graph_counters() -> dict[str, int]:
+    """The ``cuda_graphs.*`` counters of ``spmd.metrics`` now (replays, captures, recaptures, staged copies, ...)."""
+    from spmd import metrics
+
+    return {k: v for k, v in metrics.snapshot()["counters"].items() if k.startswith("cuda_graphs.")}
+
+
+def _add_deltas(into: dict[str, int], before: dict[str, int], after: dict[str, int]) -> None:
+    for k, v in after.items():
+        if v != before.get(k, 0):
+            into[k.removeprefix("cuda_graphs.")] = into.get(k.removeprefix("cuda_graphs."), 0) + v - before.get(k, 0)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -99,6 +112,7 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
     for v in args.variants:
         model, x, y = build_model(args)
         t0 = time.perf_counter()
+        before = _graph_counters()
         if v.startswith("spmd"):
             steps[v] = _spmd_step(model, x, y, args.device, fused_attention=v != "spmd-math",
                                   remat=args.remat if v == "spmd-remat" else "none",
@@ -108,28 +122,42 @@ def measure(args, log: Callable[[str], None] = print) -> dict[str, dict[str, flo
         for _ in range(args.warmup):
             steps[v]()
         _sync(args.device)
-        log(f"{v}: built and warmed up in {time.perf_counter() - t0:.1f} s")
+        warm: dict[str, int] = {}
+        _add_deltas(warm, before, _graph_counters())  # captures, staged copies, donated outputs copied in the graph
+        log(f"{v}: built and warmed up in {time.perf_counter() - t0:.1f} s"
+            + (f"; cuda_graphs: {warm}" if v.startswith("spmd") else ""))
     times: dict[str, list[float]] = {v: [] for v in steps}
+    host: dict[str, list[float]] = {v: [] for v in steps}
+    graphs: dict[str, dict[str, int]] = {v: {} for v in steps}
     peak: dict[str, float] = {v: float("nan") for v in steps}
     for r in range(args.rounds):
         for v, step in steps.items():
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            before = _graph_counters()
             _sync(args.device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
+                t1 = time.perf_counter()
                 step()
+                host[v].append((time.perf_counter() - t1) * 1e3)
             _sync(args.device)
             times[v].append((time.perf_counter() - t0) * 1e3 / args.steps)
+            _add_deltas(graphs[v], before, _graph_counters())
             if args.device == "cuda":
                 peak[v] = max(0.0 if peak[v] != peak[v] else peak[v], torch.cuda.max_memory_allocated() / 2**30)
         log(f"round {r + 1}: " + ", ".join(f"{v} {times[v][-1]:.2f} ms" for v in steps))
+    for v in steps:  # host time inside step() (no sync in it: small when the host runs ahead of the GPU)
+        log(f"{v}: host {statistics.median(host[v]):.3f} ms/step median, {max(host[v]):.3f} max"
+            + (f"; cuda_graphs over the timed steps: {graphs[v]}" if v.startswith("spmd") else ""))
     if args.profile and args.device == "cuda":
         from benchmarks.gpu_kernels import print_idle_gaps, print_kernels
 
         for v, step in steps.items():
             print_kernels(f"train {v}", step, calls=2, top=args.profile)
             print_idle_gaps(f"train {v}", step)
+            # back to back, as timed: idle time between the steps (host-bound issue or a per-step sync)
+            print_idle_gaps(f"train {v} x{args.steps}", lambda step=step: [step() for _ in range(args.steps)])
     planned = {v: getattr(step, "planned_peak_gib", lambda: float("nan"))() for v, step in steps.items()}
     return {v: {"ms": statistics.median(times[v]), "peak_gib": peak[v], "planned_gib": planned[v]} for v in steps}
 

@@ -10,7 +10,10 @@ producers (add, multiply, ..., and the activations silu and gelu) whose users ca
 them (each consumer recomputes the producer, whose own kernel then goes away: a residual add
 read by a LayerNorm and by the next residual add; SwiGLU's silu(gate) read by the forward's
 product and by the backward). A recomputed producer takes its own operands as inputs (one level: recomputing
-a chain of residual sums in every layer's norm would read every earlier layer's output). An
+a chain of residual sums in every layer's norm would read every earlier layer's output), except a
+widening ``convert`` whose users can all fuse it, which is recomputed as well (the MSE loss's
+``pred - target`` on 16-bit values widened to float32, read by the loss and by its gradient: no
+convert kernel, no float32 copy stored). An
 ``add`` of a single-use dot and a bias or residual is left to the runtime's addmm (but a float32
 bias add read only by fusing ops joins their fusion, see ``_is_addmm_operand``). A fusion
 whose only user is a transpose absorbs it (``absorb_transposes``: the kernel writes the
@@ -227,10 +230,11 @@ def _grow(root: Instruction, users: dict, taken: set[int]) -> _Group:
                 continue
             if all(id(u) in moved for u in users[p]):
                 moved.add(id(p))
-            elif p.opcode not in CHEAP_OPCODES and (id(inst) not in moved
+            elif p.opcode not in CHEAP_OPCODES and ((id(inst) not in moved and not _widening_convert(p))
                                                     or not _duplicable(p, users, root.stream_id)):
                 # a recomputed producer reads its own operands as inputs: recomputing whole
-                # chains (each layer's residual sum from the embedding on) grows with depth
+                # chains (each layer's residual sum from the embedding on) grows with depth;
+                # a widening convert below it is recomputed too (it reads fewer bytes than its result)
                 continue
             inside.add(id(p))
             stack.append(p)
@@ -283,6 +287,15 @@ def _duplicable(p: Instruction, users: dict, stream_id: int | None) -> bool:
     cheap = p.opcode in DUPLICABLE_OPCODES or (p.opcode == "custom-call"
                                                and p.attrs.get("custom_call_target") in DUPLICABLE_CUSTOM_CALLS)
     return cheap and all(_takes_producer(u, users, stream_id) for u in users[p])
+
+
+def _widening_convert(p: Instruction) -> bool:
+    """A ``convert`` to a type at least as wide as its operand's (bf16 -> f32: the loss reading a
+    16-bit target and prediction in float32). Recomputed below a recomputed producer: each fusion
+    then reads the narrow operand, and the wide value is neither a kernel nor stored."""
+    if p.opcode != "convert" or p.operands[0].shape.is_tuple:
+        return False
+    return p.shape.torch_dtype.itemsize >= p.operands[0].shape.torch_dtype.itemsize
 
 
 def _takes_producer(u: Instruction, users: dict, stream_id: int | None, depth: int = 0) -> bool:

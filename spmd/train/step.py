@@ -15,6 +15,7 @@ sequence parallelism come from the plan (``spmd.models.plans``), as in ``spmd.pa
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -100,6 +101,7 @@ class TrainStep:
                            options=options)
         self._compiled: dict[tuple, object] = {}
         self._lock = threading.Lock()
+        self._checked: tuple | None = None  # (keys, arrays) of the state the last step returned
         self.lowered = None
         self.compiled = None
 
@@ -133,6 +135,7 @@ class TrainStep:
             compiled = self._compile(placed)
             params, state, metrics = compiled(self.params, self.opt_state, placed)
             self.params, self.opt_state = params, state
+            self._checked = self._state_arrays()  # laid out as compiled: the next step skips the full check
         return {k: v.to_torch() for k, v in metrics.items()} if fetch else dict(metrics)
 
     def _compile(self, placed):
@@ -162,9 +165,36 @@ class TrainStep:
             raise ValueError("batch: no step has been compiled yet; pass a batch to compile one")
         return self.compiled.memory_analysis()
 
+    def _state_arrays(self) -> tuple | None:
+        """(parameter names, slot names, every parameter and optimizer-state object in order), or None when
+        the state is not a dict of dicts (the full check then says what is wrong)."""
+        try:
+            slots = tuple((s, tuple(self.opt_state[s])) for s in self.optimizer.slots())
+            arrays = [*self.params.values(), self.opt_state["step"]]
+            for s in self.optimizer.slots():
+                arrays += self.opt_state[s].values()
+            return tuple(self.params), slots, len(self.opt_state), arrays
+        except (AttributeError, KeyError, TypeError):
+            return None
+
     def _check_state(self) -> None:
         """TypeError / ValueError unless every parameter and optimizer buffer is a live ShardedArray of its
-        parameter's shape and dtype, laid out as planned (and no parameter is missing or added)."""
+        parameter's shape and dtype, laid out as planned (and no parameter is missing or added).
+
+        Fast path (the training loop): the state is the very arrays the last step returned, under the
+        same names, and all are still alive; they were made by the compiled step with the planned
+        shapes, dtypes and shardings, so only their liveness is checked (a few µs instead of a check
+        per array, ~0.6 ms per step for a 2-layer Llama's 55 arrays on a loaded CPU).
+        """
+        last = self._checked
+        if last is not None and (now := self._state_arrays()) is not None and now[:3] == last[:3] \
+                and len(now[3]) == len(last[3]) and all(map(operator.is_, now[3], last[3])) \
+                and all(a._deleted_reason is None for a in now[3]):
+            return
+        self._check_state_full()
+
+    def _check_state_full(self) -> None:
+        """``_check_state`` array by array."""
         if set(self.params) != set(self._param_types):
             raise ValueError(f"params: expected the keys {sorted(self._param_types)[:5]}..., got missing "
                              f"{sorted(set(self._param_types) - set(self.params))[:5]}, unexpected "

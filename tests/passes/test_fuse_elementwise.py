@@ -276,6 +276,48 @@ ENTRY %main (x: f32[4,8]) -> f32[4,8] {
 """)
         assert len(mod.computations) == 2  # no fused computation left over for %p itself
 
+    def test_widening_converts_below_a_recomputed_producer_are_recomputed_too(self):
+        """An MSE loss on 16-bit values: ``d = f32(p) - f32(y)`` is read by the loss reduce and by
+        the gradient. ``d`` is recomputed in both fusions, and so are the widening converts it
+        reads: each fusion reads p and y in bf16; no convert kernel, no float32 copy stored."""
+        text = module(["p: bf16[4,8]", "y: bf16[4,8]"], [
+            "%pf = f32[4,8] convert(%p)",
+            "%yf = f32[4,8] convert(%y)",
+            "%d = f32[4,8] subtract(%pf, %yf)",
+            "%sq = f32[4,8] multiply(%d, %d)",
+            "%z = f32[] constant(0)",
+            "%l = f32[] reduce(%sq, %z), dimensions={0,1}, to_apply=%add.f32",
+            "%two = f32[4,8] add(%d, %d)",
+            "%g = bf16[4,8] convert(%two)",
+            "ROOT %out = (f32[], bf16[4,8]) tuple(%l, %g)"], "(f32[], bf16[4,8])", reducers=True)
+        out, mod = fuse(text)
+        self.assertExpectedInline(entry(out), """\
+ %main (p: bf16[4,8], y: bf16[4,8]) -> (f32[], bf16[4,8]) {
+  %p = bf16[4,8] parameter(0)
+  %y = bf16[4,8] parameter(1)
+  %z = f32[] constant(0.0)
+  %fusion.1 = f32[] fusion(%p, %y, %z), calls=%fused_computation.1, kind=kLoop
+  %fusion = bf16[4,8] fusion(%p, %y), calls=%fused_computation, kind=kLoop
+  ROOT %out = (f32[], bf16[4,8]) tuple(%fusion.1, %fusion)
+}
+""")
+        for f in fusions(mod):
+            assert {o.name for o in f.operands} - {"z"} == {"p", "y"}
+
+    def test_a_narrowing_convert_below_a_recomputed_producer_is_an_input(self):
+        """A convert to a narrower type below a recomputed producer stays a kernel whose result the
+        fusions read (recomputing it would read the wide value in every fusion)."""
+        text = module(["p: f32[4,8]"], [
+            "%pb = bf16[4,8] convert(%p)",
+            "%d = bf16[4,8] subtract(%pb, %pb)",
+            "%a = bf16[4,8] exponential(%d)",
+            "%b = bf16[4,8] log(%d)",
+            "ROOT %out = (bf16[4,8], bf16[4,8]) tuple(%a, %b)"], "(bf16[4,8], bf16[4,8])")
+        _, mod = fuse(text)
+        assert [i.opcode for i in mod.entry.instructions if i.opcode != "parameter"] == [
+            "convert", "fusion", "fusion", "tuple"]
+        assert all([o.name for o in f.operands] == ["pb"] for f in fusions(mod))
+
 
 # --------------------------------------------------------------------------- what is left alone
 def test_a_lone_kernel_is_not_fused_and_min_kernels_sets_the_threshold():

@@ -103,9 +103,23 @@ def test_donated_state_reused_after_step_is_a_clear_error():
         ts.step(_batch())
 
 
-def test_state_sharding_mismatching_its_parameter():
+def test_a_deleted_array_of_the_last_steps_state_is_a_clear_error():
+    """The state the last step returned, one array of it deleted since: the check's fast path (the
+    same arrays as returned) still finds it."""
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    ts = make_train_step(_tiny(), mesh, None, _mse, optimizer=AdamW(lr=0.1))
+    ts.step(_batch())
+    ts.opt_state["exp_avg_sq"]["0.bias"].delete()
+    with pytest.raises(DeletedArrayError, match=r"opt_state\['exp_avg_sq'\]\['0.bias'\]"):
+        ts.step(_batch())
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])  # 1: replaced after a step (its fast path of the state check)
+def test_state_sharding_mismatching_its_parameter(steps_before):
     mesh = Mesh.create(("dp",), devices="cpu:2")
     ts = make_train_step(_tiny(), mesh, None, _mse, optimizer=AdamW(lr=0.1), fsdp=True)
+    for _ in range(steps_before):
+        ts.step(_batch())
     buf = ts.opt_state["exp_avg"]["0.weight"]
     ts.opt_state["exp_avg"]["0.weight"] = spmd.device_put(buf.to_torch(), NamedSharding(mesh, P()))
     with pytest.raises(ValueError, match=r"opt_state\['exp_avg'\]\['0.weight'\]: expected sharding"):
@@ -123,9 +137,12 @@ def test_state_sharding_mismatching_its_parameter():
      r"params\['0.weight'\]: expected shape \(8, 4\)"),
     (lambda ts, m: ts.params.pop("0.bias"), r"params: expected the keys .*missing \['0.bias'\]"),
 ])
-def test_state_of_another_shape_or_dtype_is_a_value_error_and_nothing_runs(replace, match):
+@pytest.mark.parametrize("steps_before", [0, 1])  # 1: replaced after a step (its fast path of the state check)
+def test_state_of_another_shape_or_dtype_is_a_value_error_and_nothing_runs(replace, match, steps_before):
     mesh = Mesh.create(("dp",), devices="cpu:2")
     ts = make_train_step(_tiny(), mesh, None, _mse, optimizer=AdamW(lr=0.1), fsdp=True)
+    for _ in range(steps_before):
+        ts.step(_batch())
     replace(ts, mesh)
     before = {k: v.to_torch() for k, v in ts.params.items()}
     with pytest.raises(ValueError, match=match):

@@ -133,18 +133,42 @@ def test_residual_adds_of_projections_run_as_addmm(lowered):
              and any(o.opcode == "reshape" and o.operands[0].opcode == "dot" for o in insts[t.name].operands)]
     assert adds == []
     assert all(len(t.ins) == 3 for t in kernels if t.name in {a.name for a in fused})  # C, A, B
-    # forward: after o_proj and down_proj of each layer, but the last down_proj's, which joins the
-    # loss fusion; backward: the k / v input-gradient sum of every layer but the first (no dx there)
-    assert len(fused) == (2 * LAYERS - 1) + (LAYERS - 1)
+    # forward: after o_proj and down_proj of each layer (the last down_proj's too: the loss and its
+    # gradient read its bfloat16 result and widen it themselves; before, that add joined the loss
+    # fusion, which stored a float32 copy of it); backward: the k / v input-gradient sum of every
+    # layer but the first (no dx there)
+    assert len(fused) == 2 * LAYERS + (LAYERS - 1)
 
 
 def test_loss_gradient_is_converted_inside_its_fusion(lowered):
     """The bfloat16 gradient of the loss (read by the last layer's dots and by the residual-gradient
     sum) is the result of the loss-gradient fusion; before, the residual sum's fusion recomputed
-    it and a convert kernel of its own made it for the dots."""
+    it and a convert kernel of its own made it for the dots. No convert runs alone: the batch
+    target's widening to float32 is recomputed in the loss and loss-gradient fusions (before: a
+    convert kernel of its own, whose float32 result was stored and read by both)."""
     insts, kernels = lowered
     converts = [insts[t.name] for t in kernels if t.name in insts and insts[t.name].opcode == "convert"]
-    assert [c.shape.dtype for c in converts] == ["f32"]  # left: the batch target to float32 for the loss
+    assert converts == []
+
+
+def _results(inst):
+    """The arrays a kernel of ``inst`` writes (a multi-output fusion's tuple elements)."""
+    if inst.opcode == "fusion":
+        root = inst.attrs["calls"].root
+        return list(root.operands) if root.opcode == "tuple" else [root]
+    return [] if inst.shape.is_tuple else [inst]
+
+
+def test_loss_reads_the_16_bit_prediction_and_target(lowered):
+    """The loss and its gradient are the two fusions that read the batch target, in bfloat16, and
+    they write only the scalar loss and the bfloat16 gradient (before: a convert kernel wrote the
+    target in float32, and the gradient's fusion also wrote the prediction in float32, each read
+    by both)."""
+    insts, kernels = lowered
+    readers = [i for i in insts.values() if any(o.name == "batch.y" for o in i.operands)]
+    assert [i.opcode for i in readers] == ["fusion", "fusion"]
+    written = sorted((r.shape.dtype, r.shape.dims) for i in readers for r in _results(i))
+    assert written == [("bf16", (BATCH, SEQ, HIDDEN)), ("f32", ())]
 
 
 def test_one_device_step_matches_torch_optim():
