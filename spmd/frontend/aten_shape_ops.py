@@ -210,3 +210,15 @@ def _sharding_constraint(em: Emitter, a: dict, val) -> Instruction:
 
 
 assert aten.view.default in ATEN_OPS
+
+
+@register(aten.repeat.default)
+def _repeat(em: Emitter, a: dict, val) -> Instruction:
+    """``x.repeat(*reps)``: x (left-padded with size-1 dims to ``len(reps)``) broadcast to
+    ``[r0, d0, r1, d1, ...]`` and reshaped to ``[r0 * d0, r1 * d1, ...]`` (tiling, as numpy.tile)."""
+    x, reps = a["self"], [int(r) for r in a["repeats"]]
+    dims = (1,) * (len(reps) - x.shape.rank) + tuple(x.shape.dims)
+    x = em.reshape(x, dims)
+    tiled = tuple(n for r, d in zip(reps, dims, strict=True) for n in (r, d))
+    wide = em.broadcast(x, tiled, tuple(range(1, 2 * len(dims), 2)))
+    return em.reshape(wide, out_dims(val))
