@@ -177,3 +177,22 @@ def _median(em: Emitter, a: dict, val) -> Instruction:
         return em.scalar(math.nan, x.shape.dtype)
     v, _ = _order_statistic(em, x, 0, (x.shape.dims[0] - 1) // 2, nan_first=True)
     return em.reshape(v, ())
+
+
+# --------------------------------------------------------------------------- isnan / isinf
+@register(aten.isnan.default)
+def _isnan(em: Emitter, a: dict, val) -> Instruction:
+    """``torch.isnan``: ``x != x`` for floating x (IEEE), all False for integers and bools."""
+    x = a["self"]
+    if not x.shape.torch_dtype.is_floating_point:
+        return em.scalar(False, "pred", x.shape.dims)
+    return em.compare(x, x, "NE")
+
+
+@register(aten.isinf.default)
+def _isinf(em: Emitter, a: dict, val) -> Instruction:
+    """``torch.isinf``: ``|x| == inf`` for floating x, all False for integers and bools."""
+    x = a["self"]
+    if not x.shape.torch_dtype.is_floating_point:
+        return em.scalar(False, "pred", x.shape.dims)
+    return em.compare(em.unary("abs", x), em.scalar(math.inf, x.shape.dtype, x.shape.dims), "EQ")
