@@ -33,7 +33,9 @@ concatenate or pad launches a kernel of its own when unfused; fused, it is a sel
 its operands (and the fill value) per output element (Inductor's pointwise cat: rotary
 embeddings' ``cat(-x2, x1)`` then costs no kernel beside the multiply-adds that read it; its
 backward, the pads ``simplify`` makes of ``slice_scatter`` into zeros, likewise; XLA's loop
-fusion takes both). Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, other pads,
+fusion takes both). A ``dynamic-update-slice`` roots a group grown through its update only, its
+buffer updated in place (``spmd.passes.fuse_update_slice``: a KV-cache write with the rotary
+embedding that produces it). Not fused: dots (cuBLAS), collectives, gathers, dynamic slices, other pads,
 longer concatenates (collective buckets), other custom calls, anything with a tuple shape or no
 elements, values the lowering folds on
 the host (``spmd.passes.views.folded_instructions``: small values computed only from constants
@@ -63,6 +65,7 @@ from spmd.ir.builder import Builder
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module
 from spmd.passes.cse import cse_computation
 from spmd.passes.folding import folded_instructions
+from spmd.passes.fuse_update_slice import UpdateSiblings, dus_sibling_fuses, grown_operands, is_update_root
 
 #: ``random`` (spmd.ir.random) is int64 arithmetic that wraps modulo 2**64; Inductor's generated
 #: kernel gives the same bits as the op-by-op kernels (tests/runtime/test_random_fusion.py).
@@ -134,13 +137,14 @@ class FuseElementwise:
         users = _live_users(comp)  # kept up to date as groups are taken (``_retire``)
         taken: set[int] = set(folded_instructions(comp))  # the lowering computes these on the host
         groups: list[_Group] = []
+        updates = UpdateSiblings(comp, users, taken, self.min_kernels)
         for inst in reversed(comp.instructions):
-            if id(inst) in taken or not is_fusible(inst) or inst.opcode in _NO_ROOT_OPCODES:
+            if id(inst) in taken or not (is_fusible(inst) or is_update_root(inst)) or inst.opcode in _NO_ROOT_OPCODES:
                 continue
             if (not users[inst] and inst is not comp.root) or _is_addmm_operand(inst, None, users):
                 continue  # dead (every user recomputes it), or left for the addmm peephole
             group = _grow(inst, users, taken)
-            if group.kernels >= self.min_kernels and group.inputs:
+            if (group.kernels >= self.min_kernels or dus_sibling_fuses(group, updates)) and group.inputs:
                 groups.append(group)
                 taken.update(id(m) for m in group.moved)
                 _retire(group, users, comp.root)
@@ -169,28 +173,36 @@ def absorb_transposes(module: Module, builder: Builder, comp: Computation) -> in
     done = 0
     for t in list(comp.instructions):
         f = t.operands[0] if t.opcode == "transpose" else None
-        if (f is None or f.opcode != "fusion" or users.get(f) != [t] or id(t) in outputs or id(f) in outputs
+        if (f is None or f.opcode != "fusion" or users.get(f) != [t] or is_update_root(f.attrs["calls"].root)
+                or id(t) in outputs or id(f) in outputs
                 or f.stream_id != t.stream_id):
             continue
-        old = f.attrs["calls"]
-        body = Builder.new_computation(module, FUSED_COMPUTATION)
-        clones: dict[int, Instruction] = {}
-        for i in old.instructions:
-            if i.opcode == "parameter":
-                clones[id(i)] = body.param(i.shape, name=i.name, number=i.attrs["parameter_number"])
-            else:
-                clones[id(i)] = body.add(i.opcode, [clones[id(o)] for o in i.operands], i.attrs, shape=i.shape,
-                                         name=i.name, location=i.location)
-        body.set_root(body.add("transpose", [clones[id(old.root)]], {"dimensions": t.attrs["dimensions"]},
-                               shape=t.shape, name=t.name, location=t.location))
-        with builder.insert_before(t):
-            new = builder.add("fusion", list(f.operands), dict(f.attrs, calls=body.computation), shape=t.shape,
-                              name="fusion", sharding=t.sharding, stream_id=t.stream_id, location=f.location)
-        comp.replace_all_uses(t, new)
-        comp.instructions = [i for i in comp.instructions if i is not t and i is not f]
+        absorb_user(module, builder, comp, f, t)
         users = comp.users()
         done += 1
     return done
+
+
+def absorb_user(module: Module, builder: Builder, comp: Computation, f: Instruction, t: Instruction) -> Instruction:
+    """Replace fusion ``f`` and its only user ``t`` (a transpose or reshape of it) by one fusion whose
+    called computation ends in ``t``'s op; returns the new fusion (placed where ``t`` was)."""
+    old = f.attrs["calls"]
+    body = Builder.new_computation(module, FUSED_COMPUTATION)
+    clones: dict[int, Instruction] = {}
+    for i in old.instructions:
+        if i.opcode == "parameter":
+            clones[id(i)] = body.param(i.shape, name=i.name, number=i.attrs["parameter_number"])
+        else:
+            clones[id(i)] = body.add(i.opcode, [clones[id(o)] for o in i.operands], i.attrs, shape=i.shape,
+                                     name=i.name, location=i.location)
+    body.set_root(body.add(t.opcode, [clones[id(old.root)]], dict(t.attrs), shape=t.shape, name=t.name,
+                           location=t.location))
+    with builder.insert_before(t):
+        new = builder.add("fusion", list(f.operands), dict(f.attrs, calls=body.computation), shape=t.shape,
+                          name="fusion", sharding=t.sharding, stream_id=t.stream_id, location=f.location)
+    comp.replace_all_uses(t, new)
+    comp.instructions = [i for i in comp.instructions if i is not t and i is not f]
+    return new
 
 
 def _output_ids(comp: Computation) -> set[int]:
@@ -223,7 +235,7 @@ def _grow(root: Instruction, users: dict, taken: set[int]) -> _Group:
     stack = [root]
     while stack:
         inst = stack.pop()
-        for p in inst.operands:
+        for p in grown_operands(inst, root):
             if id(p) in inside or id(p) in taken or not is_fusible(p) or p.stream_id != root.stream_id:
                 continue
             if _is_addmm_operand(p, inst, users):

@@ -28,7 +28,15 @@ operand it updates, when that operand is read only element for element).
 Merge rules (kept simple and safe):
 
 - only ``kind=kLoop`` fusions with an array result, on one stream, whose results have the same
-  dims (one iteration space: Inductor emits one pointwise loop for all outputs);
+  dims (one iteration space: Inductor emits one pointwise loop for all outputs); a fusion rooted
+  at an in-place dynamic-update-slice (``spmd.passes.fuse_update_slice``) iterates over its update
+  (a sibling fusion of the update's dims merges with it: the rotary embedding of q beside the k / v
+  cache writes, after ``absorb_reshape_siblings`` gave it those dims); an update fusion is never
+  absorbed by a consumer (its value is the whole updated buffer);
+- in-place updates at the same position: fusions rooted at dynamic-update-slices whose start
+  indices are the same values and whose updates have the same dims merge (the k and v cache
+  writes of a decode step, one kernel with two in-place stores; XLA's multi-output fusion of
+  in-place dynamic-update-slices);
 - no cycle: no path from a member to another member through an instruction outside the merged
   set (a merged fusion must be placed after all its inputs and before all its users);
 - members lie within ``max_distance`` instructions of each other in program order (merging a
@@ -52,6 +60,7 @@ from spmd.ir.builder import Builder
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
 from spmd.passes.cse import cse_computation, instruction_key
 from spmd.passes.fuse_elementwise import CHEAP_OPCODES, FUSED_COMPUTATION
+from spmd.passes.fuse_update_slice import absorb_reshape_siblings, update_roots
 
 
 @dataclass(frozen=True)
@@ -78,8 +87,11 @@ class MultiOutputFusion:
         if not self.enabled:
             return module
         comp = module.entry
+        reshaped = absorb_reshape_siblings(module, comp)
         sets = _Planner(comp, self.max_distance, self.max_members).plan()
         if not sets:
+            if reshaped:
+                _drop_unused_computations(module)
             return module
         replace: dict[int, Instruction] = {}
         placed: dict[int, int] = {}
@@ -139,15 +151,23 @@ class _Planner:
         for c in self.comp.instructions:  # producer-consumer first: it saves a whole write + read
             if id(c) in self.parent:
                 for p in dict.fromkeys(c.operands):
-                    if id(p) in self.parent:
+                    # an update written in place is never computed inside a consumer's kernel
+                    if id(p) in self.parent and update_roots(p.attrs["calls"]) is None:
                         self.try_merge(p, c)
+        by_position: dict[tuple, list[Instruction]] = {}  # in-place updates at the same position
+        for f in self.comp.instructions:
+            if id(f) in self.parent and update_roots(f.attrs["calls"]) is not None:
+                by_position.setdefault(_position_key(f), []).append(f)
+        for updates in by_position.values():
+            for a, b in zip(updates, updates[1:]):
+                self.try_merge(a, b)
         for x in self.comp.instructions:  # siblings: fusions reading the same array
             if x.opcode in CHEAP_OPCODES or x.shape.is_tuple or x.shape.numel <= 1:
                 continue
             # only where the shared read is as large as an output (the gradient of an update, the
             # q/k/v rows of rotary embeddings): not a bias vector both halves of a split batch read
             readers = [u for u in dict.fromkeys(self.users[x])
-                       if id(u) in self.parent and u.shape.numel <= x.shape.numel]
+                       if id(u) in self.parent and _loop_numel(u) <= x.shape.numel]
             for k, a in enumerate(readers):
                 for b in readers[k + 1:]:
                     self.try_merge(a, b)
@@ -163,7 +183,7 @@ class _Planner:
         if len(ma) + len(mb) > self.max_members:
             return False
         first = ma[0]
-        if any(m.shape.dims != first.shape.dims or m.stream_id != first.stream_id for m in mb):
+        if any(_loop_space(m) != _loop_space(first) or m.stream_id != first.stream_id for m in mb):
             return False
         if any(self.key(x) == self.key(y) for x in ma for y in mb):
             return False  # a recomputed copy (rematerialize) and its original: keep the copy at its far use
@@ -195,6 +215,31 @@ class _Planner:
                 seen.add(id(g))
                 stack.extend(self.users[g])
         return False
+
+
+def _loop_space(f: Instruction) -> tuple[int, ...]:
+    """The iteration space of fusion ``f``'s kernel: the update's dims for an in-place update
+    (``spmd.passes.fuse_update_slice``), else its dims."""
+    roots = update_roots(f.attrs["calls"])
+    return roots[0].operands[1].shape.dims if roots is not None else f.shape.dims
+
+
+def _loop_numel(f: Instruction) -> int:
+    n = 1
+    for d in _loop_space(f):
+        n *= d
+    return n
+
+
+def _position_key(f: Instruction) -> tuple:
+    """Equal for fusions whose in-place updates write at the same starts (the same fusion operands)."""
+    (root,) = update_roots(f.attrs["calls"])
+    starts = []
+    for s in root.operands[2:]:
+        if s.opcode != "parameter":
+            return (id(f),)  # a start computed inside the fusion: no sibling
+        starts.append(id(f.operands[s.attrs["parameter_number"]]))
+    return (tuple(starts), root.operands[1].shape.dims, f.stream_id)
 
 
 def _outline(module: Module, builder: Builder, comp: Computation, members: list[Instruction],

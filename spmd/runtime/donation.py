@@ -48,7 +48,8 @@ def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[
             continue
         w = writer_index(ops, p)  # a multi-output fusion writes its elements' buffers itself
         reads = set(ops[w].ins)  # the parameter an update reads first (an in-place update), then in order
-        for i in sorted(donated - used, key=lambda i: (param_slots[i] not in reads, i)):
+        own = _updated_slot(ops, p, w)  # the buffer a fused dynamic-update-slice output updates, first of all
+        for i in sorted(donated - used, key=lambda i: (param_slots[i] != own, param_slots[i] not in reads, i)):
             if param_shapes[i] != ops[p].inst.shape:
                 continue
             aliases = _aliases(ops, param_slots[i])
@@ -58,6 +59,23 @@ def plan_donation(ops: list, param_slots: Sequence[int], output_slots: Sequence[
             used.add(i)
             break
     return plan
+
+
+def _updated_slot(ops: list, p: int, w: int) -> int:
+    """The slot of the operand that op ``p``'s value updates in place when it is a fusion's (or a
+    multi-output fusion's element's, written by op ``w``) dynamic-update-slice output; else -1."""
+    inst = ops[w].inst
+    if inst.opcode != "fusion":
+        return -1
+    root = inst.attrs["calls"].root
+    if root.opcode == "tuple":
+        if w == p or ops[p].inst.opcode != "get-tuple-element":
+            return -1
+        root = root.operands[ops[p].inst.attrs["index"]]
+    buf = root.operands[0] if root.opcode == "dynamic-update-slice" else None
+    if buf is None or buf.opcode != "parameter":
+        return -1
+    return ops[w].ins[buf.attrs["parameter_number"]]
 
 
 def _aliases(ops: list, slot: int) -> set[int]:

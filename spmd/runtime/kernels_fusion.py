@@ -95,9 +95,14 @@ def build_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable
 
     Operands are the fusion's operand tensors (any strides), all on one device; the result is
     a fresh contiguous tensor of ``inst.shape`` (copied into ``out`` when given). A tuple-shaped
-    fusion (several outputs) gets ``spmd.runtime.kernels_fusion_multi``'s kernel instead.
+    fusion (several outputs) gets ``spmd.runtime.kernels_fusion_multi``'s kernel instead, and one
+    whose outputs are in-place dynamic-update-slices ``spmd.runtime.kernels_fusion_update``'s.
     """
     body: Computation = inst.attrs["calls"]
+    from spmd.runtime.kernels_fusion_update import build_update_fusion, is_update_fusion
+
+    if is_update_fusion(body):
+        return build_update_fusion(inst, dev)
     if inst.shape.is_tuple:
         from spmd.runtime.kernels_fusion_multi import build_multi_output_fusion
 

@@ -1,0 +1,286 @@
+"""The kernel of an in-place update fusion (``spmd.passes.fuse_update_slice``): updates computed and stored at once.
+
+The called computation ends in one ``dynamic-update-slice`` or a ``tuple`` of them (the k and v
+cache writes of a decode step, merged by multi-output-fusion), possibly beside values over the
+updates' iteration space (the rotary embedding of q, merged as a sibling). Each writes an update computed by
+the rest of the body (the rotary embedding of k, a transposed slice of the merged Q/K/V product)
+into its operand 0, a parameter of the body, at start indices clamped as XLA clamps them
+(``[0, n - size]`` per dim). The kernel takes the fusion's operands and one destination per
+output (``None``: fresh memory): a destination that is operand 0's own tensor (a donated KV
+cache, ``spmd.runtime.donation``) is updated in place, only the update's elements are stored;
+any other destination first receives a copy of operand 0.
+
+On CUDA (``SPMD_FUSION_COMPILER``, as ``spmd.runtime.kernels_fusion``) the update computation and
+every store are traced with ``make_fx`` into ``dest_i.index_copy_(dim, rows_i, update_i)`` (an
+``index_put_`` where several dims move; ``dest_i.copy_(value_i)`` for a value) on mutated graph
+inputs and compiled by PyTorch Inductor:
+one Triton kernel over the update's elements with one store per output (XLA's in-place
+dynamic-update-slice loop fusion). It is checked once against the op-by-op result (each kernel
+compiled counts ``fusion.update.compiled`` and the kernels Inductor generated for it
+``fusion.update.kernels``, 0 for a graph from Inductor's cache; a failure
+``fusion.fallback.<exception type>``). Elsewhere,
+and where Inductor fails or the destinations overlap other operands, the body runs op by op
+(every update computed before any store) and each update is written with the unfused
+dynamic-update-slice kernel, in place over its destination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from spmd import metrics
+from spmd.ir.hlo import Computation, Instruction
+from spmd.runtime.kernels_fusion import (
+    _INDUCTOR_OPTIONS,
+    _cached_compile,
+    _graph_call,
+    _overlaps,
+    _same_view,
+    fusion_compiler,
+    structure_key,
+)
+
+Tensor = torch.Tensor
+
+
+def output_roots(body: Computation) -> list[Instruction]:
+    """The outputs of a fused computation: its root, or every element of a ``tuple`` root."""
+    root = body.root
+    return list(root.operands) if root.opcode == "tuple" else [root]
+
+
+def is_update_fusion(body: Computation) -> bool:
+    """Whether ``body`` (a fused computation) runs with this module's kernel: some output is a
+    dynamic-update-slice, and every such output updates a body parameter."""
+    updates = [r for r in output_roots(body) if r.opcode == "dynamic-update-slice"]
+    return bool(updates) and all(r.operands[0].opcode == "parameter" for r in updates)
+
+
+def build_update_fusion(inst: Instruction, dev: torch.device | None = None) -> Callable:
+    """Kernel for a ``fusion`` with dynamic-update-slice outputs (``is_update_fusion``).
+
+    Array fusion: ``(operands, out) -> Tensor``; tuple fusion: ``(operands, dests) -> tuple``
+    (``dests`` None or one tensor-or-None per element). Operands on one device, any strides;
+    each destination has its element's shape and dtype.
+    """
+    from spmd.runtime.kernels import compile_kernel
+
+    body: Computation = inst.attrs["calls"]
+    plan = _Plan(body)
+    multi = body.root.opcode == "tuple"
+    structure = structure_key(body)
+    writers = {}  # device -> per output: the unfused dynamic-update-slice kernel, or None (a value)
+
+    def kernel(ops: list[Tensor], dests):
+        dests = ([None] * len(plan.roots) if dests is None else list(dests)) if multi else [dests]
+        device = ops[0].device
+        if device not in writers:
+            writers[device] = [compile_kernel(r, device) if b >= 0 else None
+                               for r, b in zip(plan.roots, plan.buffers, strict=True)]
+        mode = fusion_compiler(device)
+        outs = None
+        if plan.exclusive and not (mode == "eager" or (mode == "graphs" and not _graph_call())):
+            outs = _generated(plan, structure, ops, dests)
+        if outs is None:
+            outs = _op_by_op(plan, writers[device], ops, dests)
+        return tuple(outs) if multi else outs[0]
+    return kernel
+
+
+class _Plan:
+    """Per output its buffer parameter (-1 for a value), and the op-by-op evaluation of the body
+    up to the stores: each update with its starts, each value."""
+
+    def __init__(self, body: Computation) -> None:
+        self.roots = output_roots(body)
+        dus = [r.opcode == "dynamic-update-slice" for r in self.roots]
+        self.buffers = [r.operands[0].attrs["parameter_number"] if u else -1 for r, u in zip(self.roots, dus,
+                                                                                               strict=True)]
+        users = body.users()
+        updates = [r for r, u in zip(self.roots, dus, strict=True) if u]
+        # in place only over a buffer nothing else in the body reads (else the stores could race its reads)
+        self.exclusive = len({r.operands[0].name for r in updates}) == len(updates) and all(
+            users.get(r.operands[0], []) == [r] and r.operands.count(r.operands[0]) == 1 for r in updates)
+        self.moving = [tuple(d for d, (n, s) in enumerate(zip(r.shape.dims, r.operands[1].shape.dims, strict=True))
+                             if s < n) if u else () for r, u in zip(self.roots, dus, strict=True)]
+        skip = {id(r) for r in updates} | ({id(body.root)} if body.root.opcode == "tuple" else set())
+        index = {id(p): p.attrs["parameter_number"] for p in body.parameters}
+        self.steps, slot = [], {}
+        for i in body.instructions:
+            if i.opcode == "parameter" or id(i) in skip:
+                continue
+            slot[id(i)] = len(self.steps)
+            self.steps.append((i, [(id(o) in index, index.get(id(o), slot.get(id(o)))) for o in i.operands]))
+        self.kernels: dict[str, list] = {}
+        ref = [(id(o) in index, index.get(id(o), slot.get(id(o))))
+               for o in [x for r, u in zip(self.roots, dus, strict=True) for x in (r.operands[1:] if u else [r])]]
+        self.reads, k = [], 0
+        for r, u in zip(self.roots, dus, strict=True):
+            n = len(r.operands) - 1 if u else 1
+            self.reads.append(ref[k:k + n])
+            k += n
+
+    def values(self, ops: list[Tensor]) -> list[list[Tensor]]:
+        """Per output: [update, start_0, ..., start_{rank-1}], or [value], from the fusion's operands."""
+        from spmd.runtime.kernels import compile_kernel
+
+        device = ops[0].device
+        ks = self.kernels.get(str(device))
+        if ks is None:
+            ks = self.kernels[str(device)] = [compile_kernel(i, device) for i, _ in self.steps]
+        vals: list[Tensor] = []
+        for fn, (_, srcs) in zip(ks, self.steps, strict=True):
+            vals.append(fn([ops[k] if is_param else vals[k] for is_param, k in srcs], None))
+        return [[ops[k] if is_param else vals[k] for is_param, k in srcs] for srcs in self.reads]
+
+
+def _fresh(root: Instruction, device: torch.device) -> Tensor:
+    return torch.empty(root.shape.dims, dtype=root.shape.torch_dtype, device=device)
+
+
+def _op_by_op(plan: _Plan, writers: list, ops: list[Tensor], dests: list) -> list[Tensor]:
+    """Every update and value computed, then each destination filled (from its buffer) and updated."""
+    values = plan.values(ops)
+    outs = [d if d is not None else _fresh(r, ops[0].device) for r, d in zip(plan.roots, dests, strict=True)]
+    sources = []
+    for b, d in zip(plan.buffers, outs, strict=True):
+        src = ops[b] if b >= 0 else None
+        same = src is not None and _same_view(src, d)
+        if src is not None and not same and _overlaps(src, outs):
+            src = src.clone()  # a source another destination overwrites is read first
+        sources.append((src, same))
+    values = [[v.clone() if _overlaps(v, outs) else v for v in vs] for vs in values]
+    for (src, same), d in zip(sources, outs, strict=True):
+        if src is not None and not same:
+            d.copy_(src)
+    for w, vs, d in zip(writers, values, outs, strict=True):
+        if w is None:
+            d.copy_(vs[0])
+        else:
+            w([d, *vs], d)
+    return outs
+
+
+def _generated(plan: _Plan, structure: tuple, ops: list[Tensor], dests: list) -> list[Tensor] | None:
+    """The fusion through one Inductor-generated kernel, or None where it cannot be used here."""
+    device = ops[0].device
+    buffers = {b for b in plan.buffers if b >= 0}
+    outs = [d if d is not None else (_fresh(r, device) if b < 0 else
+                                     torch.empty_like(ops[b], memory_format=torch.contiguous_format))
+            for d, b, r in zip(dests, plan.buffers, plan.roots, strict=True)]
+    others = [t for k, t in enumerate(ops) if k not in buffers]
+    for i, (d, b) in enumerate(zip(outs, plan.buffers, strict=True)):
+        if d.device != device or _overlaps(d, others) or _overlaps(d, outs[:i]):
+            return None
+        if b >= 0 and not _same_view(ops[b], d) and _overlaps(d, [ops[b]]):
+            return None
+        if b < 0 and _overlaps(d, [ops[k] for k in buffers]):
+            return None
+    if any(t.device != device for t in others):
+        return None  # host start indices: the unfused writer narrows on the host values
+    writer = _compile(plan, structure, ops, outs)
+    if writer is None:
+        return None
+    for d, b in zip(outs, plan.buffers, strict=True):
+        if b >= 0 and not _same_view(ops[b], d):
+            d.copy_(ops[b])
+    writer(*others, *outs)
+    return outs
+
+
+def _compile(plan: _Plan, structure: tuple, ops: list[Tensor], outs: list[Tensor]) -> Callable | None:
+    buffers = {b for b in plan.buffers if b >= 0}
+    others = [t for k, t in enumerate(ops) if k not in buffers]
+    key = ("update-into", structure, str(ops[0].device),
+           *((tuple(t.shape), t.stride(), t.dtype) for t in [*others, *outs]))
+    return _cached_compile(key, lambda: _inductor(plan, ops, outs), None)
+
+
+def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor]) -> Callable:
+    """The traced and compiled ``write(*other operands, *dests)``; checked once on copies."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    buffers = {b for b in plan.buffers if b >= 0}
+    positions = [k for k in range(len(ops)) if k not in buffers]
+    n = len(outs)
+
+    def write(*args: Tensor) -> tuple[Tensor, ...]:
+        full: list = [None] * len(ops)
+        for k, t in zip(positions, args[:-n], strict=True):
+            full[k] = t
+        dests = args[-n:]
+        for b, d in zip(plan.buffers, dests, strict=True):
+            if b >= 0:
+                full[b] = d  # never read by the body (exclusive buffers)
+        for d, b, moving, vs in zip(dests, plan.buffers, plan.moving, plan.values(full), strict=True):
+            _store(d, b, moving, vs)
+        return tuple(dests)
+
+    others = [ops[k] for k in positions]
+    with torch.no_grad():
+        want = [ops[b].clone() if b >= 0 else torch.empty_like(d) for d, b in zip(outs, plan.buffers, strict=True)]
+        for d, b, moving, vs in zip(want, plan.buffers, plan.moving, plan.values(ops), strict=True):
+            _store(d, b, moving, [v.clone() for v in vs])
+        scratch = [torch.empty_strided(d.shape, d.stride(), dtype=d.dtype, device=d.device) for d in outs]
+        for t, b in zip(scratch, plan.buffers, strict=True):
+            if b >= 0:
+                t.copy_(ops[b])
+        gm = make_fx(write)(*others, *[s.clone() for s in scratch])
+        kernels = _generated_kernels()
+        compiled = torch._inductor.compile(gm, [*others, *scratch], options=_options())
+        kernels = _generated_kernels() - kernels
+        compiled(*others, *scratch)
+    for got, w in zip(scratch, want, strict=True):
+        if not torch.allclose(got.double(), w.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
+            raise RuntimeError("compiled update fusion wrote other values")
+    metrics.counter("fusion.update.compiled").inc()
+    metrics.counter("fusion.update.kernels").inc(kernels)
+
+    def run(*args: Tensor) -> None:
+        compiled(*args)
+    return run
+
+
+def _generated_kernels() -> int:
+    """Inductor's count of the kernels it generated in this process (0 where this torch lacks it)."""
+    from torch._inductor import metrics as inductor_metrics
+
+    return int(getattr(inductor_metrics, "generated_kernel_count", 0))
+
+
+def _options() -> dict:
+    """Inductor options of the update kernel: ``_INDUCTOR_OPTIONS``, and every store fused into one
+    loop. Inductor fuses two pointwise nodes only when they read common data
+    (``score_fusion_memory_threshold``); the k and v cache writes share no read but the position
+    (a scalar read counts for nothing), so they would be two kernels. Options this torch lacks are
+    left out."""
+    import torch._inductor.config as config
+
+    wanted = {"aggressive_fusion": True, "score_fusion_memory_threshold": 0}
+    return {**_INDUCTOR_OPTIONS, **{k: v for k, v in wanted.items() if hasattr(config, k)}}
+
+
+def _store(dest: Tensor, buffer: int, moving: tuple[int, ...], vs: list[Tensor]) -> None:
+    """``dest`` = value ``vs[0]`` (``buffer`` < 0), or ``vs[0]`` written in place at starts ``vs[1:]``
+    clamped to ``[0, n - size]`` (traceable)."""
+    update, starts = vs[0], vs[1:]
+    if buffer < 0 or not moving:
+        dest.copy_(update)
+        return
+    index = []
+    for d in moving:
+        n, size = dest.shape[d], update.shape[d]
+        index.append(starts[d].to(torch.int64).reshape(1).clamp(0, n - size)
+                     + torch.arange(size, device=dest.device))
+    if len(moving) == 1:
+        dest.index_copy_(moving[0], index[0], update)
+        return
+    grid = []
+    for d in range(dest.dim()):
+        idx = index[moving.index(d)] if d in moving else torch.arange(dest.shape[d], device=dest.device)
+        shape = [1] * dest.dim()
+        shape[d] = -1
+        grid.append(idx.reshape(shape))
+    dest.index_put_(tuple(grid), update)
