@@ -84,7 +84,8 @@ def reshard(array, sharding: NamedSharding):
     array._check_alive("reshard argument")
     if sharding.mesh != array.sharding.mesh:
         raise ValueError(f"sharding: expected a sharding on the array's mesh {array.sharding.mesh}, "
-                         f"got {sharding.mesh}")
+                         f"got {sharding.mesh} (resharding stays on one mesh; to move the value to another "
+                         f"mesh, copy it through the host: spmd.device_put(array.to_torch(), sharding))")
     sharding.validate(tuple(array.shape), "sharding")
     if sharding == array.sharding:
         return array

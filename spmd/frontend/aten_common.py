@@ -69,8 +69,8 @@ def norm_dim(d: int, rank: int) -> int:
 
 
 def norm_dims(dims: Sequence[int] | int | None, rank: int) -> tuple[int, ...]:
-    """Reduction dims: None or [] mean all dims."""
-    if dims is None:
+    """Reduction dims: None or [] mean all dims; a 0-d tensor has none (its dim 0 / -1 is itself)."""
+    if dims is None or rank == 0:
         return tuple(range(rank))
     if isinstance(dims, int):
         dims = (dims,)

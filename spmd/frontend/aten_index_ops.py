@@ -140,6 +140,9 @@ def _index_select(em: Emitter, a: dict, val) -> Instruction:
     """Rows ``index`` (0-d or 1-d) of x along dim: a rows-form gather."""
     x, index = a["self"], a["index"]
     if x.shape.rank == 0:
+        if index.shape.numel != 1:  # as eager
+            raise ValueError(f"index_select: an index into a 0-d tensor can have only 1 value, got "
+                             f"{index.shape.numel}")
         x = em.reshape(x, (1,))
     d = norm_dim(a["dim"], x.shape.rank)
     if index.shape.rank == 0:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -161,6 +162,8 @@ def _kthvalue(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
 def _median_dim(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
     """``x.median(dim, keepdim)``: the lower of the two middle values (PyTorch's), NaN if the row has one."""
     x, d = _stat_args(em, a)
+    if x.shape.dims[d] == 0:  # torch raises too
+        raise ValueError(f"median: expected a non-empty dim {d}, got shape {list(x.shape.dims)}")
     v, i = _order_statistic(em, x, d, (x.shape.dims[d] - 1) // 2, nan_first=True)
     return em.reshape(v, out_dims(val[0])), em.reshape(i, out_dims(val[1]))
 
@@ -168,5 +171,28 @@ def _median_dim(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
 @register(aten.median.default)
 def _median(em: Emitter, a: dict, val) -> Instruction:
     x = em.reshape(a["self"], (a["self"].shape.numel,))
+    if x.shape.numel == 0:  # torch: the median of no elements is NaN
+        if not x.shape.torch_dtype.is_floating_point:
+            raise ValueError(f"median: expected a non-empty tensor of dtype {x.shape.torch_dtype}, got shape [0]")
+        return em.scalar(math.nan, x.shape.dtype)
     v, _ = _order_statistic(em, x, 0, (x.shape.dims[0] - 1) // 2, nan_first=True)
     return em.reshape(v, ())
+
+
+# --------------------------------------------------------------------------- isnan / isinf
+@register(aten.isnan.default)
+def _isnan(em: Emitter, a: dict, val) -> Instruction:
+    """``torch.isnan``: ``x != x`` for floating x (IEEE), all False for integers and bools."""
+    x = a["self"]
+    if not x.shape.torch_dtype.is_floating_point:
+        return em.scalar(False, "pred", x.shape.dims)
+    return em.compare(x, x, "NE")
+
+
+@register(aten.isinf.default)
+def _isinf(em: Emitter, a: dict, val) -> Instruction:
+    """``torch.isinf``: ``|x| == inf`` for floating x, all False for integers and bools."""
+    x = a["self"]
+    if not x.shape.torch_dtype.is_floating_point:
+        return em.scalar(False, "pred", x.shape.dims)
+    return em.compare(em.unary("abs", x), em.scalar(math.inf, x.shape.dtype, x.shape.dims), "EQ")

@@ -31,6 +31,8 @@ def _require_floating(val, what: str) -> None:
 def _softmax(em: Emitter, a: dict, val) -> Instruction:
     _require_floating(val, "softmax")
     x = em.convert(a["self"], out_dtype(val))
+    if x.shape.rank == 0:  # a 0-d tensor's softmax is over itself: computed as [1]
+        return em.reshape(_softmax(em, {**a, "self": em.reshape(x, (1,)), "dim": 0}, val), ())
     config = {"dim": norm_dim(a["dim"], x.shape.rank)}
     return em.custom_call("softmax", [x], x.shape, config)
 
@@ -44,6 +46,8 @@ def _log_softmax(em: Emitter, a: dict, val) -> Instruction:
     rounds the sum and its log to the 16-bit type, so on a CPU mesh that dim does too.
     """
     _require_floating(val, "log_softmax")
+    if a["self"].shape.rank == 0:  # over the 0-d tensor itself: computed as [1]
+        return em.reshape(_log_softmax(em, {**a, "self": em.reshape(a["self"], (1,)), "dim": 0}, val), ())
     out = em.convert(a["self"], out_dtype(val))
     x = _opmath(em, out)
     d = norm_dim(a["dim"], x.shape.rank)

@@ -193,6 +193,9 @@ def _square(em: Emitter, a: dict, val) -> Instruction:
 def _pow_scalar(em: Emitter, a: dict, val) -> Instruction:
     """x ** e; e in {1, 2} (and 0.5, -0.5 for floats) map to copy-free ops as PyTorch computes them."""
     e = a["exponent"]
+    if not val.dtype.is_floating_point and not val.dtype.is_complex and isinstance(e, int) and e < 0:
+        raise ValueError(f"pow: an integer tensor to a negative integer power ({e}) is not allowed (as in "
+                         f"PyTorch); convert the base to floating point first")
     x = operand(em, a["self"], out_dtype(val), out_dims(val))
     if e == 1:
         return x
@@ -305,6 +308,9 @@ def _minmax(kind: str, with_indices: bool):
     def convert(em: Emitter, a: dict, val) -> Any:
         x = a["self"]
         dims = norm_dims(a.get("dim"), x.shape.rank)
+        if any(x.shape.dims[d] == 0 for d in dims):  # torch raises too: no elements, no extreme value
+            name = {"maximum": "max", "minimum": "min"}[kind]
+            raise ValueError(f"{name}: expected non-empty reduced dims {list(dims)}, got shape {list(x.shape.dims)}")
         r = em.reduce(x, dims, kind)
         if with_indices:
             return _keep(em, r, val[0]), Missing(f"aten.{'max' if kind == 'maximum' else 'min'}.dim indices")

@@ -37,6 +37,8 @@ def _permute(em: Emitter, a: dict, val) -> Instruction:
 @register(aten.transpose.int)
 def _transpose(em: Emitter, a: dict, val) -> Instruction:
     x = a["self"]
+    if x.shape.rank == 0:  # torch allows dims 0 / -1 of a 0-d tensor: nothing to swap
+        return x
     perm = list(range(x.shape.rank))
     d0, d1 = norm_dim(a["dim0"], x.shape.rank), norm_dim(a["dim1"], x.shape.rank)
     perm[d0], perm[d1] = perm[d1], perm[d0]
@@ -208,3 +210,15 @@ def _sharding_constraint(em: Emitter, a: dict, val) -> Instruction:
 
 
 assert aten.view.default in ATEN_OPS
+
+
+@register(aten.repeat.default)
+def _repeat(em: Emitter, a: dict, val) -> Instruction:
+    """``x.repeat(*reps)``: x (left-padded with size-1 dims to ``len(reps)``) broadcast to
+    ``[r0, d0, r1, d1, ...]`` and reshaped to ``[r0 * d0, r1 * d1, ...]`` (tiling, as numpy.tile)."""
+    x, reps = a["self"], [int(r) for r in a["repeats"]]
+    dims = (1,) * (len(reps) - x.shape.rank) + tuple(x.shape.dims)
+    x = em.reshape(x, dims)
+    tiled = tuple(n for r, d in zip(reps, dims, strict=True) for n in (r, d))
+    wide = em.broadcast(x, tiled, tuple(range(1, 2 * len(dims), 2)))
+    return em.reshape(wide, out_dims(val))

@@ -97,6 +97,9 @@ def _minmax_dim(kind: str):
         if x.shape.rank == 0:
             x = em.reshape(x, (1,))
         d = norm_dim(a["dim"], x.shape.rank)
+        if x.shape.dims[d] == 0:  # torch raises too: a max / min over no elements has no value
+            raise ValueError(f"{'max' if kind == 'maximum' else 'min'}(dim={a['dim']}): expected a non-empty dim {d}, "
+                             f"got shape {list(x.shape.dims)}")
         values, idx = arg_reduce(em, x, d, kind)
         return em.reshape(values, out_dims(val[0])), em.reshape(idx, out_dims(val[1]))
     return convert

@@ -110,6 +110,12 @@ def _traceable(fn):
     return functools.update_wrapper(renamed, fn)
 
 
+class TracedProgramError(RuntimeError):
+    """An IndexError that PyTorch raised inside the traced program (a dim or index out of range,
+    as eager raises it), re-raised as a RuntimeError so that ``spmd.jit`` reports it as the
+    ValueError "tracing failed: ..." it gives for PyTorch's other errors in the user's program."""
+
+
 def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> ExportedProgram:
     """``torch.export.export(strict=False)`` of a function or module, decomposed only if needed.
 
@@ -131,6 +137,8 @@ def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
         frames = [f for f in frames + _FRAME.findall(str(e)) if not f[0].startswith(_LIBRARY_DIRS)]
         at = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
         raise ValueError(f"{data_dependent_hint()}{at}: {str(e).strip().splitlines()[0]}") from e
+    except IndexError as e:  # the program's own bad dim / index, as eager raises it ("Dimension out of range"):
+        raise TracedProgramError(str(e)) from e  # reported like torch's RuntimeErrors (a ValueError, see lowering)
     if any(n.op == "call_function" and n.target not in ATEN_OPS for n in ep.graph.nodes):
         table = torch.export.default_decompositions()
         for op in ATEN_OPS:

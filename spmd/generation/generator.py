@@ -18,6 +18,7 @@ the end, or every ``stream_every`` steps.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -79,6 +80,21 @@ def _axis(mesh: Mesh, name: str) -> str | None:
     return name if name in mesh.axis_names else None
 
 
+def _zeros_cache(model: LlamaForCausalLM, max_batch: int, max_seq: int) -> torch.Tensor:
+    """One zero K (or V) cache tensor [max_batch, kv heads, max_seq, head_dim] in the model's dtype (CPU).
+
+    Raises ValueError naming max_batch / max_seq and the cache's size when it cannot be allocated.
+    """
+    shape, dtype = model.kv_shape(max_batch, max_seq), model.lm_head.weight.dtype
+    try:
+        return torch.zeros(shape, dtype=dtype)
+    except (RuntimeError, MemoryError):
+        total = 2 * model.config.num_layers * math.prod(shape) * dtype.itemsize
+        raise ValueError(f"max_batch ({max_batch}), max_seq ({max_seq}): the KV cache (2 x {model.config.num_layers} "
+                         f"layers x {list(shape)} {dtype}, {total / 2**30:,.1f} GiB) cannot be allocated; "
+                         f"expected sizes whose cache fits in memory") from None
+
+
 def _check_prompt_type(i: int, p) -> None:
     """TypeError unless prompt ``i`` is a sequence of token ids (a list / tuple, or a 1-d tensor)."""
     if isinstance(p, torch.Tensor):
@@ -102,7 +118,7 @@ class Generator:
       options: ``CompileOptions`` of both programs.
     Raises:
       TypeError: model or mesh of the wrong type. ValueError: sizes < 1, prefill_len > max_seq,
-        or a plan that does not fit the mesh (see ``llama_lm_plan``).
+        a KV cache too large to allocate, or a plan that does not fit the mesh (see ``llama_lm_plan``).
     """
 
     def __init__(self, model: LlamaForCausalLM, mesh: Mesh, *, max_batch: int, max_seq: int, prefill_len: int,
@@ -137,7 +153,7 @@ class Generator:
         self._batch = NamedSharding(mesh, PartitionSpec(self.dp))
         self._batch2 = NamedSharding(mesh, PartitionSpec(self.dp, None))
         self._repl = NamedSharding(mesh, PartitionSpec())
-        zeros = torch.zeros(model.kv_shape(max_batch, max_seq), dtype=model.lm_head.weight.dtype)
+        zeros = _zeros_cache(model, max_batch, max_seq)
         self.kv = tuple((device_put(zeros, self.kv_sharding), device_put(zeros, self.kv_sharding))
                         for _ in range(cfg.num_layers))
         self._programs: dict[Sampling, tuple] = {}

@@ -11,7 +11,8 @@ scan, as XLA's SPMD partitioner does for a windowed reduce along a partitioned d
 
 Communication is one all-gather of ``k`` rows instead of gathering the whole operand. Floating
 results differ from the sequential scan by rounding only (the sum is associated per shard).
-Other custom calls and scans along unsharded dims run locally (the partitioner's generic rule).
+Other custom calls, scans along unsharded dims and scans along an empty dim run locally (the
+partitioner's generic rule).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def partition_custom_call(partitioner, inst: Instruction, ops, p: Plan):
         return partitioner._generic(inst, ops, p)
     d = int(config.get("dim", -1)) % inst.shape.rank
     axes = p.result.dims[d]
-    if not axes:
+    if not axes or inst.shape.dims[d] == 0:  # an empty scanned dim has no totals to carry
         return partitioner._generic(inst, ops, p)
     combine, identity = _SCANS[target]
     em, mesh = partitioner.em, partitioner.mesh

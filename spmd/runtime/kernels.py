@@ -354,6 +354,23 @@ def _prod(x: Tensor, dims: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return x
 
 
+def _empty_reduction(x: Tensor, dims: tuple[int, ...], identity) -> Tensor:
+    """The reduction of ``x`` over ``dims`` when one of them has size 0: ``identity`` everywhere.
+
+    As XLA's reduce (a reduction over no elements is its init value); torch.amax / amin refuse a
+    zero-size dim, so max / min reductions (a variance's or a norm's shift, a shard of a dim split
+    into empty pieces) need this. ``identity`` +-inf becomes the integer type's max / min.
+    """
+    shape = [n for i, n in enumerate(x.shape) if i not in dims]
+    if isinstance(identity, float) and math.isinf(identity) and not x.dtype.is_floating_point:
+        if x.dtype == torch.bool:
+            identity = identity > 0
+        else:
+            info = torch.iinfo(x.dtype)
+            identity = info.max if identity > 0 else info.min
+    return torch.full(shape, identity, dtype=x.dtype, device=x.device)
+
+
 def _init_is_identity(init: Instruction, identity) -> bool:
     if init.opcode != "constant":
         return False
@@ -383,7 +400,10 @@ def _build_reduce(inst: Instruction, dev) -> Kernel:
 
     def kernel(ops: list[Tensor], out: Tensor | None) -> Tensor:
         x, init = ops
-        r = reduce_fn(x, dims, dtype) if dims else x
+        if dims and any(x.shape[d] == 0 for d in dims):
+            r = _empty_reduction(x, dims, identity)
+        else:
+            r = reduce_fn(x, dims, dtype) if dims else x
         if use_init:
             r = combine(r, init.to(r.dtype))
         return _write(out, r.to(dtype))

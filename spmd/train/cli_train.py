@@ -115,6 +115,11 @@ def _gpt_job(args, mesh, axes):
     from spmd.train.tiny_gpt import TinyGPT, batch_at, lm_loss, load_corpus
 
     tokens, _ = load_corpus(args.vocab, args.model_dir)
+    if args.seq + 1 >= tokens.numel():
+        from spmd.cli import CliError
+
+        raise CliError(f"--seq: each sequence is a window of seq + 1 of the corpus's {tokens.numel():,} tokens; "
+                       f"expected --seq < {tokens.numel() - 1}, got {args.seq}")
     torch.manual_seed(args.seed)
     model = TinyGPT(args.vocab, args.seq, args.hidden, args.heads, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
@@ -199,7 +204,7 @@ def _report(console, losses, times, args) -> None:
         table.add_column(col, justify="right")
     med = statistics.median(times) if times else float("nan")
     table.add_row(f"{losses[0][0]}..{losses[-1][0]}", f"{losses[0][1]:.4f}", f"{losses[-1][1]:.4f}",
-                  f"{med * 1e3:.1f}", f"{args.batch * args.seq / med:,.0f}" if times else "-")
+                  f"{med * 1e3:.1f}" if times else "-", f"{args.batch * args.seq / med:,.0f}" if times else "-")
     console.print(table)
     if args.ckpt_dir:
         console.print(f"checkpoint: {os.path.join(args.ckpt_dir, f'step-{args.steps}.safetensors')}")

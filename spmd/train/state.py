@@ -18,6 +18,7 @@ def save_state(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
 
     Raises TypeError for a non-tensor value, ValueError for an unwritable path.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
@@ -25,7 +26,7 @@ def save_state(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
         raise TypeError(f"tensors[{bad[0]!r}]: expected a torch.Tensor, got {type(tensors[bad[0]]).__name__}")
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.fspath(path))
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports I/O errors (a directory, no parent) as its own
         raise ValueError(f"path: cannot write checkpoint {os.fspath(path)!r}: {e}") from None
 
 

@@ -54,7 +54,11 @@ def load_corpus(vocab_size: int, model_dir=None) -> tuple[torch.Tensor, list[str
 
 def batch_at(tokens: torch.Tensor, step: int, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     """The batch of ``step``: ``batch`` random windows of ``seq + 1`` tokens (a function of seed and step,
-    so a resumed run sees the same batches). Returns ``{"ids": [B, S], "targets": [B, S]}`` int64."""
+    so a resumed run sees the same batches). Returns ``{"ids": [B, S], "targets": [B, S]}`` int64.
+    Raises ValueError unless ``seq + 1`` is shorter than ``tokens`` (a window must fit)."""
+    if seq + 1 >= tokens.numel():
+        raise ValueError(f"seq: a window of seq + 1 tokens must be shorter than the corpus ({tokens.numel()} tokens), "
+                         f"got seq={seq}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=g)
     windows = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])

@@ -209,3 +209,21 @@ def test_out_of_range_indices_follow_xla_rules_where_eager_raises():
     _, got = run_imported(_index_add, (x, ids, y))
     keep = (ids >= 0) & (ids < 5)
     torch.testing.assert_close(got, x.index_add(0, ids[keep], y[keep]))
+
+
+def test_index_select_of_a_0d_tensor():
+    """One index into a 0-d tensor selects it (as eager); more is eager's RuntimeError, a ValueError
+    here (was an AssertionError inside the emitter)."""
+    import spmd
+    from spmd import Mesh
+    from spmd import PartitionSpec as P
+
+    mesh = Mesh.create(("x",), devices="cpu:2")
+    x = torch.randn(())
+    for index in (torch.tensor([0]), torch.tensor(0)):
+        fn = lambda t, i=index: t.index_select(0, i) * 2  # noqa: E731
+        got = spmd.jit(fn, mesh=mesh, in_shardings=(P(),), out_shardings=P())(x).to_torch()
+        assert got.shape == () and torch.equal(got, fn(x))
+    with pytest.raises(ValueError, match="index_select: an index into a 0-d tensor can have only 1 value, got 2"):
+        spmd.jit(lambda t: t.index_select(0, torch.tensor([0, 0])), mesh=mesh, in_shardings=(P(),),
+                 out_shardings=P())(x)

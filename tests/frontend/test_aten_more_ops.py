@@ -151,3 +151,41 @@ def test_order_statistics_along_an_expanded_dim(devices, spec):
     median = spmd.jit(lambda t: t.expand(8, 3, 4).median(dim=1).values, mesh=mesh, in_shardings=(spec,),
                       out_shardings=P())
     torch.testing.assert_close(median(x).to_torch(), x[:, 0, :], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x")])
+def test_median_of_no_elements(spec):
+    """``median()`` of an empty float tensor is NaN, as in eager; ``median(dim)`` over a zero-size
+    dim (IndexError in eager) and an empty integer median are ValueErrors. Both failed inside the
+    runtime ("shape '[4]' is invalid for input of size 0")."""
+    mesh = Mesh.create(("x",), devices="cpu:2")
+    x = torch.randn(4, 0)
+    got = spmd.jit(lambda t: t.median() + 1, mesh=mesh, in_shardings=(spec,), out_shardings=P())(x).to_torch()
+    assert got.shape == () and got.dtype == torch.float32 and torch.isnan(got)
+    with pytest.raises(ValueError, match=r"median: expected a non-empty dim 1, got shape \[4, 0\]"):
+        spmd.jit(lambda t: t.median(1).values, mesh=mesh, in_shardings=(spec,), out_shardings=P())(x)
+    with pytest.raises(ValueError, match="median: expected a non-empty tensor of dtype torch.int64"):
+        spmd.jit(lambda t: t.median(), mesh=mesh, in_shardings=(spec,), out_shardings=P())(x.long())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int32, torch.bool])
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "x")])
+def test_isnan_isinf_nan_to_num_nansum_equal_eager(dtype, spec):
+    """``torch.isnan`` / ``isinf`` (and ``nan_to_num`` / ``nansum``, which decompose into them) were
+    UnsupportedOpErrors."""
+    x = torch.randn(5, 3, dtype=torch.float64) * 3
+    x[0, 1], x[2, 0], x[4, 2], x[3, 1] = float("nan"), float("inf"), -float("inf"), float("nan")
+    x = (x > 0) if dtype == torch.bool else x.nan_to_num(1.0, 7.0, -7.0).to(dtype) if not dtype.is_floating_point \
+        else x.to(dtype)
+    fns = [torch.isnan, torch.isinf, lambda t: torch.nan_to_num(t, 0.5, 9.0, -9.0), torch.nan_to_num]
+    if dtype.is_floating_point:
+        fns.append(lambda t: t.nan_to_num(0.0, 0.0, 0.0).nansum(0) + torch.nansum(t.isnan().to(t.dtype)))
+    mesh = Mesh.create(("x",), devices="cpu:2")
+    for i, fn in enumerate(fns):
+        got = spmd.jit(fn, mesh=mesh, in_shardings=(spec,), out_shardings=P())(x).to_torch()
+        want = fn(x)
+        assert got.dtype == want.dtype
+        if i < 4:  # elementwise: exact
+            assert torch.equal(got, want), (got, want)
+        else:  # a sum split over devices rounds differently
+            torch.testing.assert_close(got, want)

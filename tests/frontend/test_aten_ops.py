@@ -257,3 +257,35 @@ def test_gpu_16bit_add_with_alpha_matches_eager(dtype):
     fn = lambda x, y: torch.add(x, y, alpha=0.1)
     got = spmd.jit(fn, mesh=Mesh.create(("tp",), devices="cuda:1"))(a, b).to_torch().to("cuda")
     assert (got != fn(a, b)).sum().item() <= 8
+
+
+@pytest.mark.parametrize("spec", [P("tp"), P(None, "tp")])
+@pytest.mark.parametrize("name", ["max", "min"])
+def test_max_min_of_no_elements_is_a_value_error(name, spec):
+    """``x.max()`` of an empty tensor raises in eager; compiled it failed inside the runtime's amax."""
+    f = (lambda x: x.max()) if name == "max" else (lambda x: x.min() * 2)
+    with pytest.raises(ValueError, match=rf"{name}: expected non-empty reduced dims \[0, 1\], got shape \[4, 0\]"):
+        spmd.jit(f, mesh=MESH2, in_shardings=(spec,), out_shardings=P())(torch.randn(4, 0))
+
+
+@pytest.mark.parametrize("spec", [P("tp"), P(None, "tp")])
+def test_reductions_over_an_empty_dim_equal_eager(spec):
+    """var / std / logsumexp / norms over a zero-size dim (NaN, -inf or 0 in eager) compute their
+    max shift over no elements: the reduction's init value, not a runtime IndexError."""
+    x = torch.randn(5, 0, dtype=torch.float64)
+    fn = lambda t: (t.var(1), t.std(1, correction=0), t.logsumexp(1), torch.linalg.vector_norm(t, dim=1), t.amax(0))
+    got = spmd.jit(fn, mesh=MESH2, in_shardings=(spec,), out_shardings=P())(x.float())
+    for g, r in zip(got, fn(x)):
+        torch.testing.assert_close(g.to_torch().double(), r, equal_nan=True)
+
+
+@pytest.mark.parametrize("e", [-1, -3])
+def test_integer_to_a_negative_integer_power_is_a_value_error(e):
+    """Eager raises "Integers to negative integer powers are not allowed"; compiled it returned
+    truncated values (2 ** -1 == 0)."""
+    with pytest.raises(ValueError, match=rf"pow: an integer tensor to a negative integer power \({e}\)"):
+        spmd.jit(lambda x: x ** e, mesh=MESH2, in_shardings=(P("tp"),), out_shardings=P())(torch.arange(1, 5))
+    x = torch.arange(1, 5)
+    got = spmd.jit(lambda t: (t ** 3, t.float() ** e), mesh=MESH2, in_shardings=(P("tp"),), out_shardings=P())(x)
+    assert torch.equal(got[0].to_torch(), x ** 3)
+    torch.testing.assert_close(got[1].to_torch(), x.float() ** e)

@@ -122,3 +122,13 @@ def test_16_bit_scans_accumulate_in_float32_like_eager(dtype):
         assert got3.dtype == dtype
         err, err_eager = float((got3.double() - ref).abs().mean()), float((eager.double() - ref).abs().mean())
         assert err <= 1.1 * err_eager, (err, err_eager)
+
+
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x")])
+def test_max_min_dim_over_an_empty_dim_is_a_value_error(spec):
+    """``x.max(dim)`` over a zero-size dim raises IndexError in eager; compiled it reached the
+    runtime's amax and raised there."""
+    mesh = Mesh.create(("x",), devices="cpu:2")
+    for name, fn in (("max", lambda t: t.max(1).values), ("min", lambda t: t.min(-1).indices)):
+        with pytest.raises(ValueError, match=rf"{name}\(dim=-?1\): expected a non-empty dim 1, got shape \[4, 0\]"):
+            spmd.jit(fn, mesh=mesh, in_shardings=(spec,), out_shardings=P())(torch.randn(4, 0))

@@ -227,3 +227,19 @@ def test_matrix_product_of_mixed_dtypes_is_refused():
                  (torch.randn(2, 3), torch.randn(3, 2, dtype=torch.float64))):
         with pytest.raises(UnsupportedOpError, match="one dtype"):
             _jit2(lambda x, w: x @ w)(x, w)
+
+
+@pytest.mark.parametrize("name", ["dim", "transpose", "index", "select"])
+def test_index_errors_of_the_traced_program_are_value_errors(name):
+    """PyTorch's own IndexError for a bad dim or index in the user's program (eager raises it too)
+    reached ``spmd.jit`` callers as an IndexError; it is now the ValueError "tracing failed"."""
+    import spmd
+    from spmd import Mesh
+    from spmd import PartitionSpec as P
+
+    fn = {"dim": lambda t: t.sum(5), "transpose": lambda t: t.transpose(0, 3), "index": lambda t: t[5],
+          "select": lambda t: t.select(0, 7)}[name]
+    mesh = Mesh.create(("x",), devices="cpu:2")
+    with pytest.raises(ValueError, match=r"<lambda>: tracing failed: .*(out of range|out of bounds).*"
+                                         r"\(argument shapes args\[0\]: \(4, 3\)\)"):
+        spmd.jit(fn, mesh=mesh, in_shardings=(P("x"),), out_shardings=P())(torch.randn(4, 3))

@@ -160,6 +160,9 @@ def test_bad_construction(model):
         Generator(model, mesh, max_batch=0, max_seq=8, prefill_len=4)
     with pytest.raises(TypeError, match="model"):
         Generator(torch.nn.Linear(2, 2), mesh, max_batch=1, max_seq=8, prefill_len=4)
+    # a cache of petabytes: a ValueError naming the sizes, not the allocator's RuntimeError
+    with pytest.raises(ValueError, match=r"max_batch \(1\), max_seq \(1000000000000\): the KV cache .* cannot be"):
+        Generator(model, mesh, max_batch=1, max_seq=10**12, prefill_len=4)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=1.0, top_k=5, seed=1), Sampling(temperature=1.0, top_p=0.9)])

@@ -79,3 +79,37 @@ def test_scans_on_more_devices_and_2d_meshes(target, mesh, sharding, dim):
     torch.testing.assert_close(want, x.cumsum(dim) if target == "cumsum" else x.cumprod(dim))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert "all-gather" in print_module(pm) and "custom-call" in print_module(pm)
+
+
+EMPTY_SCAN_OUT = """HloModule scan, num_partitions=2, mesh={tp=2}, is_partitioned=true
+
+ENTRY %main (x: f32[3,0]) -> f32[3,0] {
+  %x = f32[3,0] parameter(0), sharding={devices=[1,2]<=[2]}
+  ROOT %c = f32[3,0] custom-call(%x), custom_call_target="cumsum", backend_config={"dim":1}, sharding={devices=[1,2]<=[2]}
+}
+"""
+
+
+def test_scan_along_an_empty_sharded_dim_runs_locally_golden():
+    """A scan along a sharded dim of size 0 has no totals: the prefix sliced the last row of an
+    empty shard ([-1:0]) and the runtime failed ("output with shape [3, 1] doesn't match the
+    broadcast shape [3, 0]")."""
+    pm = SpmdPartition().run(parse_module(SCAN_IN.replace("f32[3,5]", "f32[3,0]")))
+    verify_module(pm)
+    assert print_module(pm) == EMPTY_SCAN_OUT
+    (got,) = evaluate_sharded(pm, [torch.randn(3, 0)], [(3, 0)])
+    assert got.shape == (3, 0)
+
+
+@pytest.mark.parametrize("spec,dim", [(("a",), 0), ((None, "b"), 1), ((("a", "b"),), 0)])
+def test_empty_scans_through_jit(spec, dim):
+    import spmd
+    from spmd import Mesh
+    from spmd import PartitionSpec as P
+
+    mesh = Mesh.create({"a": 2, "b": 2}, devices="cpu:4")
+    for shape in ((0, 3), (3, 0), (0, 0)):
+        x = torch.randn(*shape)
+        for fn in (lambda t: t.cumsum(dim), lambda t: t.cumprod(dim) * 2):
+            got = spmd.jit(fn, mesh=mesh, in_shardings=(P(*spec),), out_shardings=P(*spec))(x).to_torch()
+            assert got.shape == fn(x).shape

