@@ -335,6 +335,7 @@ def test_plan_children_env_and_commands():
     assert kids["xla"][0][kids["xla"][0].index("--device") + 1] == "cuda"
 
 
+@pytest.mark.slow
 def test_collective_matmul_end_to_end_on_cpu(tmp_path):
     doc = tmp_path / "benchmarks.md"
     cmd = [sys.executable, "-m", "benchmarks.collective_matmul", "--device", "cpu", "--tp", "2",
@@ -404,6 +405,7 @@ def test_dispatch_parse_args_checks(capsys):
         assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_torch_eager_anchor_on_cpu():
     cmd = [sys.executable, "-m", "benchmarks.anchors.torch_eager", "--device", "cpu", "--workloads", "add",
            "--calls", "5", "--rounds", "1"]

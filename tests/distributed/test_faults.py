@@ -20,7 +20,7 @@ def _read(out: Path, world: int) -> list[str]:
     return [(out / f"rank{r}.txt").read_text() for r in range(world)]
 
 
-@pytest.mark.parametrize("hang", [False, True], ids=["dies", "hangs"])
+@pytest.mark.parametrize("hang", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dies", "hangs"])
 def test_a_rank_dying_mid_step_fails_the_others_within_the_bound(tmp_path, hang):
     timeout_s = 5.0 if hang else TIMEOUT_S
     spawn(dying_worker, 2, str(tmp_path), timeout_s, hang, allow_fail=True)

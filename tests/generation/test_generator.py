@@ -35,7 +35,7 @@ def _check_against_eager(model, gen, prompts, sampling=None):
 
 
 @pytest.mark.parametrize(("axes", "n", "batch"), [
-    (("tp",), 1, 1), (("tp",), 2, 4), (("tp",), 4, 4), ({"dp": 2, "tp": 2}, 4, 4),
+    (("tp",), 1, 1), (("tp",), 2, 4), pytest.param(("tp",), 4, 4, marks=pytest.mark.slow), ({"dp": 2, "tp": 2}, 4, 4),
     pytest.param(("tp",), 1, 4, marks=pytest.mark.slow), pytest.param(("tp",), 4, 1, marks=pytest.mark.slow),
 ])
 def test_greedy_tokens_and_cache_equal_eager(model, axes, n, batch):
@@ -165,7 +165,8 @@ def test_bad_construction(model):
         Generator(model, mesh, max_batch=1, max_seq=10**12, prefill_len=4)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0, top_k=5, seed=1), Sampling(temperature=1.0, top_p=0.9)])
+@pytest.mark.parametrize("sampling", [pytest.param(Sampling(temperature=1.0, top_k=5, seed=1), marks=pytest.mark.slow),
+                                      Sampling(temperature=1.0, top_p=0.9)])
 def test_top_k_and_top_p_equal_eager(model, sampling):
     gen = Generator(model, _mesh(("tp",), 2), max_batch=4, max_seq=MAX_SEQ, prefill_len=PREFILL)
     _check_against_eager(model, gen, PROMPTS4, sampling)

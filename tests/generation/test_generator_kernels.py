@@ -49,7 +49,7 @@ def _cache_writes(insts, kernels) -> list[MultiOutputKernelThunk]:
             and sum(s.opcode == "dynamic-update-slice" for s in insts[t.name].attrs["calls"].root.operands) == 2]
 
 
-@pytest.mark.parametrize(("gpu", "kv_heads"), [(False, 2), (True, 2), (True, 4)])
+@pytest.mark.parametrize(("gpu", "kv_heads"), [(False, 2), (True, 2), pytest.param(True, 4, marks=pytest.mark.slow)])
 def test_one_kernel_writes_both_caches_per_layer(gpu, kv_heads):
     per_layer, (insts, kernels, program) = _per_layer(gpu, kv_heads)
     assert per_layer["dynamic-update-slice"] == 0

@@ -144,7 +144,7 @@ def test_summary_unit_follows_the_peak(peak, text):
     assert report.summary().startswith(text + " (args ")
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_peak_bounds_what_a_train_step_holds(monkeypatch, remat):
     """A 2-layer GPT train step (joint forward + backward, AdamW, donated params and state) on cpu:2."""
     import torch.nn.functional as F

@@ -56,7 +56,7 @@ def _train(mesh, remat, batches, plan=None):
 
 
 @pytest.mark.parametrize("mesh_axes, devices, plan, modes, batch, seq", [
-    (("dp",), "cpu:1", None, ("selective", "full"), 4, 16),
+    pytest.param(("dp",), "cpu:1", None, ("selective", "full"), 4, 16, marks=pytest.mark.slow),  # both modes: below
     (("dp",), "cpu:2", None, ("selective",), 8, 32),
     (("dp",), "cpu:4", None, ("full",), 8, 32),
     ({"dp": 2, "tp": 2}, "cpu:4", "gpt", ("full",), 4, 16),
@@ -128,6 +128,7 @@ def test_dropout_masks_are_recomputed_bit_for_bit(n):
         torch.testing.assert_close(runs["full"][1][k], v, rtol=0, atol=1e-6, msg=k)
 
 
+@pytest.mark.slow  # test_cli_train checks the lower peak and the same losses through the CLI in CI
 def test_peak_memory_is_lower_with_remat_on_a_longer_sequence():
     mesh = Mesh.create(("dp",), devices="cpu:1")
     batch = _batches(1, 2, 128)[0]

@@ -98,6 +98,7 @@ def test_cuda_bf16_step_with_fused_attention_tracks_the_math_step():
         assert abs(a - b) <= 2e-2 * abs(b), (losses[True], losses[False])
 
 
+@pytest.mark.slow
 def test_fused_step_peak_is_smaller_than_the_math_step():
     """Sequence 128: the math step keeps [B, H, S, S] scores (and their softmax) alive from forward to
     backward; the fused step keeps one log-sum-exp per row, so the planned peak (buffer assignment's
