@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -196,26 +196,43 @@ def _span(t: Tensor) -> tuple[int, int]:
     return start, start + extent * t.element_size()
 
 
+def op_steps(body: Computation, skip: frozenset[int] = frozenset()) -> tuple[list, Callable]:
+    """``(steps, source)`` of an op-by-op run of ``body``: ``steps`` lists its instructions in order
+    (parameters and those whose ``id`` is in ``skip`` left out) as ``(instruction, sources)``, and
+    ``source(inst)`` is ``(is_parameter, k)``: operand ``k`` of the fusion, or the value of step ``k``."""
+    index = {id(p): p.attrs["parameter_number"] for p in body.parameters}
+    slot: dict[int, int] = {}
+
+    def source(o: Instruction) -> tuple[bool, int]:
+        return id(o) in index, index.get(id(o), slot.get(id(o)))
+
+    steps = []
+    for inst in body.instructions:
+        if inst.opcode == "parameter" or id(inst) in skip:
+            continue
+        slot[id(inst)] = len(steps)
+        steps.append((inst, [source(o) for o in inst.operands]))
+    return steps, source
+
+
+def run_steps(kernels: list[Callable], steps: list, args: Sequence[Tensor]) -> list[Tensor]:
+    """The value of every step of ``op_steps`` (``kernels[i]`` runs step ``i``) on the operands ``args``."""
+    vals: list[Tensor] = []
+    for fn, (_, srcs) in zip(kernels, steps, strict=True):
+        vals.append(fn([args[k] if is_param else vals[k] for is_param, k in srcs], None))
+    return vals
+
+
 def interpreter(body: Computation, device: torch.device) -> Callable[..., Tensor]:
     """``fn(*operands) -> Tensor`` running ``body`` op by op with the unfused kernels."""
     from spmd.runtime.kernels import compile_kernel
 
-    steps = []
-    index = {id(p): p.attrs["parameter_number"] for p in body.parameters}
-    slot = {}
-    for inst in body.instructions:
-        if inst.opcode == "parameter":
-            continue
-        slot[id(inst)] = len(steps)
-        steps.append((compile_kernel(inst, device), [(id(o) in index, index.get(id(o), slot.get(id(o))))
-                                                     for o in inst.operands]))
-    root = slot[id(body.root)]
+    steps, source = op_steps(body)
+    kernels = [compile_kernel(inst, device) for inst, _ in steps]
+    _, root = source(body.root)
 
     def run(*args: Tensor) -> Tensor:
-        vals: list[Tensor] = []
-        for fn, srcs in steps:
-            vals.append(fn([args[k] if is_param else vals[k] for is_param, k in srcs], None))
-        return vals[root]
+        return run_steps(kernels, steps, args)[root]
     return run
 
 

@@ -39,6 +39,8 @@ from spmd.runtime.kernels_fusion import (
     _overlaps,
     _same_view,
     fusion_compiler,
+    op_steps,
+    run_steps,
     structure_key,
 )
 
@@ -106,21 +108,9 @@ class _Plan:
         self.moving = [tuple(d for d, (n, s) in enumerate(zip(r.shape.dims, r.operands[1].shape.dims, strict=True))
                              if s < n) if u else () for r, u in zip(self.roots, dus, strict=True)]
         skip = {id(r) for r in updates} | ({id(body.root)} if body.root.opcode == "tuple" else set())
-        index = {id(p): p.attrs["parameter_number"] for p in body.parameters}
-        self.steps, slot = [], {}
-        for i in body.instructions:
-            if i.opcode == "parameter" or id(i) in skip:
-                continue
-            slot[id(i)] = len(self.steps)
-            self.steps.append((i, [(id(o) in index, index.get(id(o), slot.get(id(o)))) for o in i.operands]))
+        self.steps, source = op_steps(body, frozenset(skip))
         self.kernels: dict[str, list] = {}
-        ref = [(id(o) in index, index.get(id(o), slot.get(id(o))))
-               for o in [x for r, u in zip(self.roots, dus, strict=True) for x in (r.operands[1:] if u else [r])]]
-        self.reads, k = [], 0
-        for r, u in zip(self.roots, dus, strict=True):
-            n = len(r.operands) - 1 if u else 1
-            self.reads.append(ref[k:k + n])
-            k += n
+        self.reads = [[source(o) for o in (r.operands[1:] if u else [r])] for r, u in zip(self.roots, dus, strict=True)]
 
     def values(self, ops: list[Tensor]) -> list[list[Tensor]]:
         """Per output: [update, start_0, ..., start_{rank-1}], or [value], from the fusion's operands."""
@@ -130,9 +120,7 @@ class _Plan:
         ks = self.kernels.get(str(device))
         if ks is None:
             ks = self.kernels[str(device)] = [compile_kernel(i, device) for i, _ in self.steps]
-        vals: list[Tensor] = []
-        for fn, (_, srcs) in zip(ks, self.steps, strict=True):
-            vals.append(fn([ops[k] if is_param else vals[k] for is_param, k in srcs], None))
+        vals = run_steps(ks, self.steps, ops)
         return [[ops[k] if is_param else vals[k] for is_param, k in srcs] for srcs in self.reads]
 
 
