@@ -6,14 +6,16 @@ whatever the forward calls lands in the graph. Two torch custom ops (``torch.lib
 backward one node:
 
 - ``spmd::attention_fwd(q, k, v, mask, is_causal, scale) -> (out, packed)``: ``out`` is the
-  attention output ``[..., Sq, Dv]``; ``packed`` ``[..., Sq, Dv + c]`` holds the output and the
-  log-sum-exp of every row's scores (``spmd.ir.custom_calls_attention``); not differentiable.
+  attention output ``[..., Sq, Dv]``; ``packed`` (``forward_dims``: two sequence-major slabs) holds
+  the output and the log-sum-exp of every row's scores (``spmd.ir.custom_calls_attention``);
+  not differentiable.
 - ``spmd::attention_bwd(dout, q, k, v, mask, packed, is_causal, scale) -> (dq, dk, dv)``: its
   autograd formula.
 
-They convert to the custom calls ``attention-forward`` (plus a slice for ``out``) and
-``attention-backward`` (plus slices and reshapes for dq, dk, dv). Their eager kernels are the
-custom calls' kernels, so a program traced here computes what it computes compiled.
+They convert to the custom calls ``attention-forward`` (plus a slice, reshape and transpose of
+slab 0 for ``out``) and ``attention-backward`` (the same per slab for dq, dk, dv); the transposes
+undo the slabs' sequence-major order, and cancel against the model's own transposes back to it.
+Their eager kernels are the custom calls' kernels, so a program traced here computes what it computes compiled.
 
 ``use_fused(...)`` says when SDPA takes this path: ``FUSED_ATTENTION_GRAD`` is on (the
 ``CompileOptions.fused_attention_grad`` of the compilation, set by ``spmd.lowering``), dropout_p
@@ -23,13 +25,12 @@ with ``is_causal``; otherwise the importer traces SDPA's math definition (dots a
 """
 
 import contextvars
-import math
 
 import torch
 
 from spmd.frontend.aten_common import operand, register
 from spmd.frontend.emitter import Emitter
-from spmd.ir.custom_calls_attention import attention_backward, attention_forward, grads_width, stat_columns
+from spmd.ir.custom_calls_attention import attention_backward, attention_forward, backward_dims, forward_dims, seq_major
 from spmd.ir.hlo import Instruction, Shape
 
 __all__ = ["FUSED_ATTENTION_GRAD", "fused_sdpa", "use_fused"]
@@ -55,13 +56,12 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     mask = _full_mask(mask, q, k)
     ops = [q, k, v] + ([] if mask is None else [mask])
     packed = attention_forward(ops, _config(is_causal, scale, mask is not None))
-    return packed[..., :v.shape[-1]].clone(), packed
+    return _unslab(packed[0], q.shape[:-2], q.shape[-2], v.shape[-1]).clone(), packed
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, mask, is_causal, scale):
-    lead = q.shape[:-1]
-    return (q.new_empty(*lead, v.shape[-1]), q.new_empty(*lead, v.shape[-1] + stat_columns(q.dtype, v.shape[-1])))
+    return (q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(forward_dims(q.shape, k.shape, v.shape, q.dtype)))
 
 
 @torch.library.custom_op("spmd::attention_bwd", mutates_args=())
@@ -71,8 +71,8 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """(dq, dk, dv) of ``attention_fwd`` from its packed result and the output gradient ``dout``."""
     mask = _full_mask(mask, q, k)
     ops = [q, k, v, packed, dout] + ([] if mask is None else [mask])
-    grads = attention_backward(ops, _config(is_causal, scale, mask is not None)).squeeze(-2)
-    return tuple(g.reshape(t.shape).clone() for g, t in zip(_split(grads, q, k, v), (q, k, v), strict=True))
+    grads = attention_backward(ops, _config(is_causal, scale, mask is not None))
+    return tuple(_unslab(g, t.shape[:-2], *t.shape[-2:]).clone() for g, t in zip(grads, (q, k, v), strict=True))
 
 
 @attention_bwd.register_fake
@@ -80,9 +80,10 @@ def _attention_bwd_fake(dout, q, k, v, mask, packed, is_causal, scale):
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
-def _split(grads, q, k, v):
-    n_q, n_k = q.shape[-2] * q.shape[-1], k.shape[-2] * k.shape[-1]
-    return grads[..., :n_q], grads[..., n_q:n_q + n_k], grads[..., n_q + n_k:]
+def _unslab(slab: torch.Tensor, lead, s: int, e: int) -> torch.Tensor:
+    """One slab ``seq_major(lead, S', E')`` of a packed result as ``[*lead, s, e]`` (a view)."""
+    part = slab[..., :s, :, :e] if lead else slab[:s, :e]
+    return part.movedim(-3, -2) if lead else part
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -191,16 +192,28 @@ def _mask_operand(em: Emitter, mask, q: Instruction, k: Instruction) -> list[Ins
     return [operand(em, mask, dtype, q.shape.dims[:-1] + (k.shape.dims[-2],))]
 
 
+def _slab_value(em: Emitter, packed: Instruction, index: int, lead, s: int, e: int) -> Instruction:
+    """Slab ``index`` of a packed result, cut to sequence ``s`` and last dim ``e``, as ``[*lead, s, e]``:
+    slice, reshape (drop the slab dim), and a transpose back from the sequence-major order."""
+    starts = [(index, index + 1, 1)] + [(0, n, 1) for n in seq_major(lead, s, e)]
+    part = em.slice(packed, starts)
+    part = em.reshape(part, seq_major(lead, s, e))
+    if not lead:
+        return part
+    r = len(lead) + 2
+    perm = (*range(r - 3), r - 2, r - 3, r - 1)
+    return em.transpose(part, perm)
+
+
 @register(torch.ops.spmd.attention_fwd.default)
 def _convert_fwd(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction]:
     q, k, v, mask = a["q"], a["k"], a["v"], a["mask"]
     masks = _mask_operand(em, mask, q, k)
-    dv = v.shape.dims[-1]
-    width = dv + stat_columns(q.shape.torch_dtype, dv)
-    packed = em.custom_call("attention-forward", [q, k, v, *masks], Shape(q.shape.dtype, q.shape.dims[:-1] + (width,)),
+    dims = forward_dims(q.shape.dims, k.shape.dims, v.shape.dims, q.shape.torch_dtype)
+    packed = em.custom_call("attention-forward", [q, k, v, *masks], Shape(q.shape.dtype, dims),
                             _config(a["is_causal"], a["scale"], bool(masks)))
-    out = em.slice(packed, [(0, n, 1) for n in q.shape.dims[:-1]] + [(0, dv, 1)])
-    return out, packed
+    lead = q.shape.dims[:-2]
+    return _slab_value(em, packed, 0, lead, q.shape.dims[-2], v.shape.dims[-1]), packed
 
 
 @register(torch.ops.spmd.attention_bwd.default)
@@ -208,15 +221,7 @@ def _convert_bwd(em: Emitter, a: dict, val) -> tuple[Instruction, Instruction, I
     q, k, v, mask, packed = a["q"], a["k"], a["v"], a["mask"], a["packed"]
     dout = em.convert(a["dout"], q.shape.dtype)
     masks = _mask_operand(em, mask, q, k)
-    lead = q.shape.dims[:-2]
-    width = grads_width(q.shape.dims, k.shape.dims, v.shape.dims)
-    shape = Shape(q.shape.dtype, lead + (1, width))
+    shape = Shape(q.shape.dtype, backward_dims(q.shape.dims, k.shape.dims, v.shape.dims))
     grads = em.custom_call("attention-backward", [q, k, v, packed, dout, *masks], shape,
                            _config(a["is_causal"], a["scale"], bool(masks)))
-    outs, start = [], 0
-    for t in (q, k, v):
-        n = math.prod(t.shape.dims[-2:])
-        part = em.slice(grads, [(0, d, 1) for d in lead] + [(0, 1, 1), (start, start + n, 1)])
-        outs.append(em.reshape(part, t.shape.dims))
-        start += n
-    return tuple(outs)
+    return tuple(_slab_value(em, grads, i, t.shape.dims[:-2], *t.shape.dims[-2:]) for i, t in enumerate((q, k, v)))

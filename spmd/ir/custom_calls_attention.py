@@ -3,27 +3,37 @@ a fused backward that reads them (FlashAttention's recipe: Dao et al., "FlashAtt
 "FlashAttention-2", 2023; the backward recomputes the probabilities from q, k and the saved
 log-sum-exp instead of keeping the ``[..., Sq, Sk]`` scores).
 
-=====================  ==================================  ======================================
+=====================  ==================================  ==========================================
 target                 operands                            result
-=====================  ==================================  ======================================
-attention-forward      q, k, v[, mask]                     packed ``[..., Sq, Dv + c]`` (q's dtype)
-attention-backward     q, k, v, packed, dout[, mask]       grads ``[..., 1, Sq*D + Sk*D + Sk*Dv]``
-=====================  ==================================  ======================================
+=====================  ==================================  ==========================================
+attention-forward      q, k, v[, mask]                     packed ``[2, *seq_major(lead, Sq, E)]``
+attention-backward     q, k, v, packed, dout[, mask]       grads ``[3, *seq_major(lead, Smax, Dmax)]``
+=====================  ==================================  ==========================================
 
-q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]``; mask broadcast to ``[..., Sq, Sk]``
+q ``[*lead, Sq, D]``, k ``[*lead, Sk, D]``, v ``[*lead, Sk, Dv]``; mask broadcast to ``[*lead, Sq, Sk]``
 (bool: True = attend; float: added to the scores). backend_config: ``is_causal`` (False),
 ``scale`` (None = 1/sqrt(D)), ``has_mask`` (False), ``backend`` ("auto" | "math").
 
-A custom call has one array result, so the forward packs its two results into one: the attention
-output in columns ``[0, Dv)`` and the per-row log-sum-exp of the scaled scores (float32, float64
-for float64 inputs) bit-packed into the ``c = stat_columns(dtype, Dv)`` columns after them: the
-value's own columns (2 for 16-bit types, else 1), or a 16-byte block (8 for 16-bit types, 4 for
-float32, 2 for float64; the rest zero) when an output row is 16-byte aligned and at least 128
-bytes, so that packed rows stay aligned and the backward reads the output slice in place. The
-importer slices the output off the packed value and hands the
-packed value itself to the backward, so the statistics are an ordinary value that buffer
-assignment keeps alive from forward to backward. The backward's dq, dk and dv are packed the
-same way along the last dim (each flattened over its last two dims), and sliced apart after.
+A custom call has one array result, so each call packs its results into one array of *slabs*
+along a new leading dim, each slab in the sequence-major order ``seq_major(lead, S, E) =
+(*lead[:-1], S, lead[-1], E)`` (``(S, E)`` for rank-2 q): for the usual ``[B, H, S, D]`` operands
+a slab is ``[B, S, H, E]``, the memory order of the projections ``[B*S, H*E]`` that feed q, k, v
+and read the output and the gradients. So the importer's slice of one slab, transposed back to
+``[B, H, S, E]`` and by the model to ``[B, S, H, E]``, reshapes to ``[B*S, H*E]`` as a view
+(no copy kernel), and the kernels' own ``[B, S, H, D]`` results (flash / memory-efficient /
+cuDNN, for q, k, v that are transposed views of projections) go into their slabs by plain
+memory copies rather than transposing ones.
+
+- Forward: ``E = max(Dv, w)`` with ``w = stat_width(dtype)`` (2 for 16-bit types, else 1).
+  Slab 0 holds the attention output in columns ``[0, Dv)``; slab 1 holds each row's
+  log-sum-exp of the scaled scores (float32, float64 for float64 inputs) bit-packed into
+  columns ``[0, w)``; every other element is zero. The importer slices the output off slab 0
+  and hands the packed value itself to the backward, so the statistics are an ordinary value
+  that buffer assignment keeps alive from forward to backward (and that reshards with q: every
+  row's statistics sit at that row's position).
+- Backward: ``Smax = max(Sq, Sk)``, ``Dmax = max(D, Dv)``; slab 0 holds dq in ``[:Sq, :D]``,
+  slab 1 dk in ``[:Sk, :D]``, slab 2 dv in ``[:Sk, :Dv]`` (per slab's sequence and last dims);
+  the rest (only where the sizes differ) zero.
 
 Kernels (``backend="auto"``): the fused kernel ``torch._fused_sdp_choice`` picks for these
 inputs, the one ``F.scaled_dot_product_attention`` itself would use (CPU: ATen's flash kernel
@@ -48,8 +58,8 @@ from torch.nn.attention import SDPBackend
 
 Config = dict[str, Any]
 
-__all__ = ["ATTENTION_GRAD_CALLS", "attention_backward", "attention_forward", "check_result_shape", "grads_width",
-           "stat_columns"]
+__all__ = ["ATTENTION_GRAD_CALLS", "attention_backward", "attention_forward", "backward_dims", "check_result_shape",
+           "forward_dims", "seq_major", "slab_dim", "stat_width"]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,26 +67,34 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-STAT_BLOCK_BYTES = 16  # the log-sum-exp block of a packed row: keeps aligned rows aligned
-
-
-def stat_columns(dtype: torch.dtype, dv: int) -> int:
-    """Columns of ``dtype`` after the ``dv`` output columns of the packed forward result: the
-    log-sum-exp value's ``_stat_width(dtype)`` columns, widened to a 16-byte block when an output
-    row is 16-byte aligned and at least 128 bytes (the block then keeps packed rows aligned, so
-    the backward reads the output in place, for at most 1/8 more bytes than the output)."""
-    width, row = _stat_width(dtype), dv * dtype.itemsize
-    return max(width, STAT_BLOCK_BYTES // dtype.itemsize) if row % 16 == 0 and row >= 128 else width
-
-
-def _stat_width(dtype: torch.dtype) -> int:
-    """Columns of ``dtype`` that one log-sum-exp value (``stat_dtype``) occupies."""
+def stat_width(dtype: torch.dtype) -> int:
+    """Columns of ``dtype`` that one log-sum-exp value (``stat_dtype``) occupies: 2 for 16-bit
+    types, else 1."""
     return max(1, stat_dtype(dtype).itemsize // dtype.itemsize)
 
 
-def grads_width(q_shape, k_shape, v_shape) -> int:
-    """Last-dim size of the packed backward result: ``Sq*D + Sk*D + Sk*Dv``."""
-    return q_shape[-2] * q_shape[-1] + k_shape[-2] * k_shape[-1] + v_shape[-2] * v_shape[-1]
+def seq_major(lead, s, e) -> tuple:
+    """A slab's dims for leading dims ``lead``, sequence ``s`` and last dim ``e``: the sequence
+    before the last leading (head) dim, ``(*lead[:-1], s, lead[-1], e)``; ``(s, e)`` without
+    leading dims. Also maps per-dim values other than sizes (shardings)."""
+    lead = tuple(lead)
+    return (*lead[:-1], s, lead[-1], e) if lead else (s, e)
+
+
+def slab_dim(lead_rank: int, i: int) -> int:
+    """Dim of the packed result (slab dim first) that holds leading dim ``i`` of q."""
+    return 1 + i if i < lead_rank - 1 else 2 + i
+
+
+def forward_dims(q, k, v, dtype: torch.dtype) -> tuple[int, ...]:
+    """Dims of ``attention-forward``'s result for q, k, v dims: ``[2, *seq_major(lead, Sq, E)]``,
+    ``E = max(Dv, stat_width(dtype))``."""
+    return (2, *seq_major(q[:-2], q[-2], max(v[-1], stat_width(dtype))))
+
+
+def backward_dims(q, k, v) -> tuple[int, ...]:
+    """Dims of ``attention-backward``'s result: ``[3, *seq_major(lead, max(Sq, Sk), max(D, Dv))]``."""
+    return (3, *seq_major(q[:-2], max(q[-2], k[-2]), max(q[-1], v[-1])))
 
 
 def check_result_shape(target: str, operand_shapes, shape) -> None:
@@ -90,9 +108,9 @@ def check_result_shape(target: str, operand_shapes, shape) -> None:
                          f"{[str(o) for o in operand_shapes]}")
     q, k, v = (o.dims for o in operand_shapes[:3])
     if target == "attention-forward":
-        dims = (*q[:-1], v[-1] + stat_columns(shape.torch_dtype, v[-1]))
+        dims = forward_dims(q, k, v, operand_shapes[0].torch_dtype)
     else:
-        dims = (*q[:-2], 1, grads_width(q, k, v))
+        dims = backward_dims(q, k, v)
     if shape.dtype != operand_shapes[0].dtype or tuple(shape.dims) != dims:
         raise ValueError(f"{target}: result must be {operand_shapes[0].dtype}{list(dims)} for q {operand_shapes[0]}, "
                          f"k {operand_shapes[1]}, v {operand_shapes[2]}; got {shape}")
@@ -100,18 +118,25 @@ def check_result_shape(target: str, operand_shapes, shape) -> None:
 
 # --------------------------------------------------------------------------- helpers
 def _as4d(t: torch.Tensor) -> torch.Tensor:
-    """``[..., S, D]`` as ``[B, H, S, D]`` (PyTorch's fused kernels take 4-d inputs only)."""
+    """``[*lead, S, D]`` as ``[B, H, S, D]`` (PyTorch's fused kernels take 4-d inputs only): ``H``
+    the last leading dim (1 without one), ``B`` the product of the others."""
     if t.dim() < 4:
-        return t.reshape(-1, 1, *t.shape[-2:])
+        return t.reshape(1, -1 if t.dim() == 3 else 1, *t.shape[-2:])
     return t.flatten(0, -4) if t.dim() > 4 else t
+
+
+def _slabs(packed: torch.Tensor, b: int, h: int) -> torch.Tensor:
+    """A contiguous packed result ``[n, *seq_major(lead, S, E)]`` as ``[n, B, H, S, E]`` (a view, the
+    leading dims as ``_as4d`` folds them)."""
+    n, s, e = packed.shape[0], packed.shape[-3 if packed.dim() > 3 else -2], packed.shape[-1]
+    return packed.view(n, b, s, h, e).transpose(2, 3)
 
 
 def _dense_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` as is when its last dim is dense and its rows are 16-byte aligned (stride 1 and every
     other stride and the start a multiple of 16 bytes: what the fused kernels read directly; the
     other strides are free, so transposed views of a projection's output go in without a copy),
-    else a contiguous copy (the packed forward result's rows of ``Dv + stat_columns`` elements are
-    aligned when ``stat_columns`` widens to a block: the backward then reads the output in place)."""
+    else a contiguous copy (the backward reads the output slab of the packed forward result in place)."""
     size = t.element_size()
     aligned = t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1],
                                                                                 strict=True) if n > 1)
@@ -231,10 +256,11 @@ def _forward4(q, k, v, bias, causal, scale, kind):
 
 
 def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention-forward``: q, k, v[, mask] -> packed ``[..., Sq, Dv + stat_columns(dtype, Dv)]`` (q's dtype).
+    """``attention-forward``: q, k, v[, mask] -> packed ``forward_dims(q, k, v)`` (q's dtype).
 
-    Columns ``[0, Dv)`` hold softmax(q kᵀ·scale + mask) v; the rest the float32 (float64)
-    log-sum-exp of each row's scaled, masked scores, bit-packed. Written into ``out`` when given.
+    Slab 0: softmax(q kᵀ·scale + mask) v in columns ``[0, Dv)``; slab 1: the float32 (float64)
+    log-sum-exp of each row's scaled, masked scores, bit-packed into columns ``[0, stat_width)``;
+    zeros elsewhere. Written into ``out`` when given.
     """
     q, k, v = operands[:3]
     mask = operands[3] if config.get("has_mask", len(operands) > 3) else None
@@ -244,14 +270,19 @@ def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.T
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])
     attn, lse = _forward4(q4, k4, v4, bias, causal, scale, _choose(q4, k4, v4, bias, causal, scale, config))
-    stats = lse.contiguous().unsqueeze(-1).view(q.dtype)
-    dv, width = v.shape[-1], stats.shape[-1]
-    result = _target(out, q, (*lead, q.shape[-2], dv + stat_columns(q.dtype, dv)))
-    packed = result.view(*q4.shape[:-1], result.shape[-1])
-    packed[..., :dv].copy_(attn)
-    packed[..., dv:dv + width].copy_(stats)
-    if packed.shape[-1] > dv + width:
-        packed[..., dv + width:].zero_()
+    b, h, sq, dv = attn.shape
+    result = _target(out, q, forward_dims(q.shape, k.shape, v.shape, q.dtype))
+    slabs = _slabs(result, b, h)
+    width, cols = stat_width(q.dtype), result.shape[-1]
+    if cols > dv:
+        slabs[0, ..., dv:].zero_()
+    slabs[0, ..., :dv].copy_(attn)  # a plain memory copy when the kernel wrote [B, S, H, Dv]
+    stats = lse.contiguous().unsqueeze(-1).view(q.dtype).transpose(1, 2)  # [B, Sq, H, width]
+    stat_slab = result[1].view(b, sq, h, cols)
+    if cols > width:  # statistics and zeros in one kernel
+        torch.cat([stats, stats.new_zeros(()).expand(b, sq, h, cols - width)], dim=-1, out=stat_slab)
+    else:
+        stat_slab.copy_(stats)
     return _written(out, result)
 
 
@@ -287,31 +318,33 @@ def _backward4(do, q, k, v, bias, out, lse, causal, scale, kind):
 
 
 def attention_backward(operands: list[torch.Tensor], config: Config, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention-backward``: q, k, v, packed, dout[, mask] -> ``[..., 1, Sq*D + Sk*D + Sk*Dv]``.
+    """``attention-backward``: q, k, v, packed, dout[, mask] -> grads ``backward_dims(q, k, v)``.
 
     ``packed`` is ``attention-forward``'s result for the same q, k, v, mask and config; dout
-    ``[..., Sq, Dv]``. The result holds dq, dk, dv (each flattened over its last two dims, in
-    that order, q's dtype); written into ``out`` when given.
+    ``[..., Sq, Dv]``. The result's slabs hold dq, dk, dv (q's dtype, zeros past their sizes);
+    written into ``out`` when given.
     """
     q, k, v, packed, do = operands[:5]
     mask = operands[5] if config.get("has_mask", len(operands) > 5) else None
     lead, dv_size = q.shape[:-2], v.shape[-1]
     q4, k4, v4 = (_dense_last(_as4d(t)) for t in (q, k, v))
-    p4 = _as4d(packed)
-    attn = _dense_last(p4[..., :dv_size])  # o in place when its rows (Dv + c elements) are aligned
-    lse = p4[..., dv_size:dv_size + _stat_width(q.dtype)].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
+    b, h = q4.shape[:2]
+    p5 = _slabs(packed, b, h)
+    attn = _dense_last(p5[0, ..., :dv_size])  # the output slab in place
+    width = stat_width(q.dtype)
+    lse = p5[1, ..., :width].contiguous().view(stat_dtype(q.dtype)).squeeze(-1)
     do4 = _dense_last(_as4d(do)).to(q.dtype)
     bias = _bias(mask, q4, k4, lead)
     causal = bool(config.get("is_causal", False))
     scale = _scale(config, q.shape[-1])
     kind = _choose(q4, k4, v4, bias, causal, scale, config)
     grads = _backward4(do4, q4, k4, v4, bias, attn, lse, causal, scale, kind)
-    result = _target(out, q, (*lead, 1, grads_width(q.shape, k.shape, v.shape)))
-    flat, start = result.view(*q4.shape[:2], -1), 0
-    for g in grads:
-        n = g.shape[-2] * g.shape[-1]
-        flat[:, :, start:start + n].view(g.shape).copy_(g)
-        start += n
+    result = _target(out, q, backward_dims(q.shape, k.shape, v.shape))
+    slabs = _slabs(result, b, h)
+    if any(g.shape[-2:] != slabs.shape[-2:] for g in grads):
+        result.zero_()
+    for slab, g in zip(slabs, grads, strict=True):
+        slab[..., :g.shape[-2], :g.shape[-1]].copy_(g)  # plain memory copies for [B, S, H, D] grads
     return _written(out, result)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from spmd.ir.custom_calls import CUSTOM_CALLS
+from spmd.ir.custom_calls_attention import seq_major, slab_dim
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Instruction
 from spmd.ir.sharding import MeshShape, TensorSharding
 from spmd.passes.dot_plans import _dot, dot_dims  # noqa: F401  (dot_dims is re-exported)
@@ -317,22 +318,30 @@ def _custom_call(inst, current, out, mesh) -> Plan:
 
 
 def _attention(inst, current, out) -> Plan:
-    """q, k, v[, mask]: leading (batch, head) dims shared by every operand, last two unsharded."""
-    rank = inst.shape.rank
+    """q, k, v[, mask]: leading (batch, head) dims shared by every operand, last two unsharded. The
+    training calls' packed results (``attention-forward``'s result, ``attention-backward``'s result
+    and its operand 3) hold the leading dims at their sequence-major slab dims (``slab_dim``)."""
     q_dims = inst.operands[0].shape.dims
+    rank = len(q_dims)
+    training = inst.attrs.get("custom_call_target") in ("attention-forward", "attention-backward")
     picker = _Picker()
     lead = []
     for i in range(rank - 2):
-        cands = [_d(c, i) for c in current[:3]] + [_d(out, i)]
+        cands = [_d(c, i) for c in current[:3]] + [_d(out, slab_dim(rank - 2, i) if training else i)]
         lead.append(picker.pick(*cands))
     lead = tuple(lead)
     qkv = TensorSharding(lead + ((), ()))
+    slabs = TensorSharding(((), *seq_major(lead, (), ())))
     ops = [qkv, qkv, qkv]
-    for mask in inst.operands[3:]:
+    rest = inst.operands[3:]
+    if inst.attrs.get("custom_call_target") == "attention-backward":
+        ops += [slabs, qkv]
+        rest = rest[2:]
+    for mask in rest:
         mdims, off = mask.shape.dims, rank - mask.shape.rank
         ops.append(TensorSharding(tuple(
             lead[off + j] if off + j < rank - 2 and mdims[j] == q_dims[off + j] else () for j in range(len(mdims)))))
-    return Plan(tuple(ops), TensorSharding(lead + ((), ())))
+    return Plan(tuple(ops), slabs if training else qkv)
 
 
 _NEEDS_OPERAND0 = frozenset({

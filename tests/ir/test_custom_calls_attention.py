@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from spmd.ir.custom_calls import get_custom_call
-from spmd.ir.custom_calls_attention import _as4d, _bias, _choose, grads_width, stat_columns
+from spmd.ir.custom_calls_attention import _as4d, _bias, _choose, backward_dims, forward_dims
 
 
 def _reference(q, k, v, mask, causal, scale, do):
@@ -27,15 +27,20 @@ def _run(q, k, v, mask, causal, scale, do, backend="auto"):
         config["scale"] = scale
     masks = [] if mask is None else [mask.expand(*q.shape[:-1], k.shape[-2])]
     packed = get_custom_call("attention-forward").fn([q, k, v, *masks], config)
-    assert packed.shape == (*q.shape[:-1], v.shape[-1] + stat_columns(q.dtype, v.shape[-1])) and packed.dtype == q.dtype
+    assert packed.shape == forward_dims(q.shape, k.shape, v.shape, q.dtype) and packed.dtype == q.dtype
     grads = get_custom_call("attention-backward").fn([q, k, v, packed, do, *masks], config)
-    assert grads.shape == (*q.shape[:-2], 1, grads_width(q.shape, k.shape, v.shape))
-    n_q, n_k = q.shape[-2] * q.shape[-1], k.shape[-2] * k.shape[-1]
-    flat = grads.squeeze(-2)
-    dq = flat[..., :n_q].reshape(q.shape)
-    dk = flat[..., n_q:n_q + n_k].reshape(k.shape)
-    dv = flat[..., n_q + n_k:].reshape(v.shape)
-    return packed[..., :v.shape[-1]], dq, dk, dv
+    assert grads.shape == backward_dims(q.shape, k.shape, v.shape)
+    return (_part(packed, 0, *v.shape[:-2], q.shape[-2], v.shape[-1]), *(
+        _part(grads, i, *t.shape) for i, t in enumerate((q, k, v))))
+
+
+def _part(packed, i, *dims):
+    """Slab ``i`` of a packed result (``[n, *lead[:-1], S, lead[-1], E]``) cut to ``dims`` = (*lead, s, e)."""
+    s, e, rank = dims[-2], dims[-1], len(dims)
+    slab = packed[i]
+    if rank == 2:
+        return slab[:s, :e]
+    return slab[..., :s, :, :e].movedim(-3, -2)
 
 
 CASES = [  # (q shape, Sk, Dv, causal, mask kind, scale)
@@ -134,7 +139,8 @@ def test_results_written_into_the_given_buffer():
     assert fwd.writes_out and bwd.writes_out
     packed = fwd.fn([q, k, v], {})
     width = packed.shape[-1]
-    for buf in (torch.full_like(packed, float("nan")), torch.full((2, 3, 5, width + 4), float("nan"))[..., :width]):
+    strided = torch.full((*packed.shape[:-1], width + 4), float("nan"))[..., :width]
+    for buf in (torch.full_like(packed, float("nan")), strided):
         assert fwd.fn([q, k, v], {}, buf) is buf
         assert torch.equal(buf, packed)
     grads = bwd.fn([q, k, v, packed, do], {})
@@ -148,28 +154,31 @@ def test_verify_checks_the_result_shapes():
 
     text = """HloModule m
 
-ENTRY %main (q: bf16[2,5,4], k: bf16[2,7,4], v: bf16[2,7,6], dout: bf16[2,5,6]) -> bf16[2,1,{w}] {{
+ENTRY %main (q: bf16[2,5,4], k: bf16[2,7,4], v: bf16[2,7,6], dout: bf16[2,5,6]) -> bf16[3,7,2,{w}] {{
   %q = bf16[2,5,4] parameter(0)
   %k = bf16[2,7,4] parameter(1)
   %v = bf16[2,7,6] parameter(2)
   %dout = bf16[2,5,6] parameter(3)
-  %fwd = bf16[2,5,{c}] custom-call(%q, %k, %v), custom_call_target="attention-forward"
-  ROOT %bwd = bf16[2,1,{w}] custom-call(%q, %k, %v, %fwd, %dout), custom_call_target="attention-backward"
+  %fwd = bf16[2,{s},2,6] custom-call(%q, %k, %v), custom_call_target="attention-forward"
+  ROOT %bwd = bf16[3,7,2,{w}] custom-call(%q, %k, %v, %fwd, %dout), custom_call_target="attention-backward"
 }}
 """
-    verify_module(parse_module(text.format(c=8, w=5 * 4 + 7 * 4 + 7 * 6)))  # 6 + 2 bf16 columns of log-sum-exp
+    # slabs [S, H, E]: forward 2 of [Sq, H, Dv]; backward 3 of [max(Sq, Sk), H, max(D, Dv)]
+    verify_module(parse_module(text.format(s=5, w=6)))
     with pytest.raises(VerifyError, match="attention-forward: result must be bf16"):
-        verify_module(parse_module(text.format(c=7, w=90)))
+        verify_module(parse_module(text.format(s=7, w=6)))
     with pytest.raises(VerifyError, match="attention-backward: result must be bf16"):
-        verify_module(parse_module(text.format(c=8, w=91)))
+        verify_module(parse_module(text.format(s=5, w=4)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_transposed_operands_and_the_saved_output_are_read_in_place(dtype):
-    """q, k, v and dout as transposes of [B, S, H, D] projections (rows 16-byte aligned) and the
-    output slice of the packed forward result (rows of D + a 16-byte stat block for D of 128 bytes
-    or more) reach the kernels without a copy: the kernels copy nothing of [B, H, S, D] size besides
-    packing their results. (D of 64 bytes: no block, and the backward copies the output.)"""
+    """q, k, v and dout as transposes of [B, S, H, D] projections and the output slab of the packed
+    forward result reach the kernels without a copy; the kernels copy nothing of [B, H, S, D] size
+    besides packing their results, and the backward's three copies keep the memory order (the
+    kernel's [B, S, H, D] gradients into [B, S, H, D] slabs: plain memory copies). Before, the
+    packed results were head-major: the gradients' copies transposed, and so did a copy of dv
+    and of the output for the projections."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     g = torch.Generator().manual_seed(0)
@@ -180,22 +189,21 @@ def test_transposed_operands_and_the_saved_output_are_read_in_place(dtype):
     class Copies(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.__name__.split(".")[0] in ("clone", "copy_", "contiguous") and args[0].numel() >= b * h * s * d:
-                copies.append(func.__name__)
+                same = func.__name__ == "copy_.default" and args[0].stride() == args[1].stride()
+                copies.append((func.__name__, same))
             return func(*args, **(kwargs or {}))
 
     config = {"is_causal": True, "has_mask": False}
     with Copies():
         packed = get_custom_call("attention-forward").fn([q, k, v], config)
-    assert copies == ["copy_.default"]  # the output into the packed result
+    assert [c for c, _ in copies] == ["copy_.default"]  # the output into slab 0
     copies.clear()
     with Copies():
         grads = get_custom_call("attention-backward").fn([q, k, v, packed, do], config)
-    assert copies == ["copy_.default"] * 3  # dq, dk, dv into the packed result
-    assert stat_columns(dtype, d) * dtype.itemsize == 16 and stat_columns(dtype, 16) * dtype.itemsize < 16
+    assert copies == [("copy_.default", True)] * 3  # dq, dk, dv into their slabs, in memory order
+    assert packed.shape == (2, b, s, h, d) and grads.shape == (3, b, s, h, d)
     out, dq, dk, dv = _reference(q, k, v, None, True, None, do)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(packed[..., :d].double(), out, rtol=tol, atol=tol)
-    n = s * d
-    got = grads.squeeze(-2).double()
-    for want, part in zip((dq, dk, dv), (got[..., :n], got[..., n:2 * n], got[..., 2 * n:]), strict=True):
-        torch.testing.assert_close(part.reshape(want.shape), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(packed[0].transpose(1, 2).double(), out, rtol=tol, atol=tol)
+    for want, part in zip((dq, dk, dv), grads, strict=True):
+        torch.testing.assert_close(part.transpose(1, 2).double(), want, rtol=tol, atol=tol)

@@ -1,6 +1,7 @@
 # ruff: noqa: E501  (golden HLO text lines are long)
 """Sharding rule of the fused training attention calls (``attention-forward`` / ``attention-backward``,
-rule ``"attention"``): leading (batch, head) dims shard like q, the last two dims stay whole.
+rule ``"attention"``): leading (batch, head) dims shard like q, the last two dims stay whole; the
+packed results ``[n, B, S, H, D]`` carry the batch and head shardings at their own dims.
 Golden propagated + partitioned text, and the partitioned program's numbers against one device
 and against PyTorch autograd.
 """
@@ -18,20 +19,20 @@ from spmd.passes.spmd_partition import SpmdPartition
 
 BATCH_IN = """HloModule attn_grad, num_partitions=2, mesh={dp=2}
 
-ENTRY %main (q: f32[4,2,6,4], k: f32[4,2,6,4], v: f32[4,2,6,4], dout: f32[4,2,6,4]) -> f32[4,2,1,72] {
+ENTRY %main (q: f32[4,2,6,4], k: f32[4,2,6,4], v: f32[4,2,6,4], dout: f32[4,2,6,4]) -> f32[3,4,6,2,4] {
   %q = f32[4,2,6,4] parameter(0), sharding={devices=[2,1,1,1]<=[2]}
   %k = f32[4,2,6,4] parameter(1), sharding={replicated}
   %v = f32[4,2,6,4] parameter(2), sharding={devices=[2,1,1,1]<=[2]}
   %dout = f32[4,2,6,4] parameter(3), sharding={devices=[2,1,1,1]<=[2]}
-  %fwd = f32[4,2,6,5] custom-call(%q, %k, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}
-  ROOT %bwd = f32[4,2,1,72] custom-call(%q, %k, %v, %fwd, %dout), custom_call_target="attention-backward", backend_config={"is_causal":true,"has_mask":false}
+  %fwd = f32[2,4,6,2,4] custom-call(%q, %k, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}
+  ROOT %bwd = f32[3,4,6,2,4] custom-call(%q, %k, %v, %fwd, %dout), custom_call_target="attention-backward", backend_config={"is_causal":true,"has_mask":false}
 }
 """
 
 # k (replicated) is sliced to the batch shard once; the slice feeds both calls
 BATCH_OUT = """HloModule attn_grad, num_partitions=2, mesh={dp=2}, is_partitioned=true
 
-ENTRY %main (q: f32[2,2,6,4], k: f32[4,2,6,4], v: f32[2,2,6,4], dout: f32[2,2,6,4]) -> f32[2,2,1,72] {
+ENTRY %main (q: f32[2,2,6,4], k: f32[4,2,6,4], v: f32[2,2,6,4], dout: f32[2,2,6,4]) -> f32[3,2,6,2,4] {
   %q = f32[2,2,6,4] parameter(0), sharding={devices=[2,1,1,1]<=[2]}
   %k = f32[4,2,6,4] parameter(1), sharding={replicated}
   %v = f32[2,2,6,4] parameter(2), sharding={devices=[2,1,1,1]<=[2]}
@@ -42,21 +43,21 @@ ENTRY %main (q: f32[2,2,6,4], k: f32[4,2,6,4], v: f32[2,2,6,4], dout: f32[2,2,6,
   %multiply = s32[] multiply(%pid, %constant)
   %constant.1 = s32[] constant(0)
   %dynamic-slice = f32[2,2,6,4] dynamic-slice(%k, %multiply, %constant.1, %constant.1, %constant.1), dynamic_slice_sizes={2,2,6,4}, sharding={devices=[2,1,1,1]<=[2]}
-  %fwd = f32[2,2,6,5] custom-call(%q, %dynamic-slice, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}, sharding={devices=[2,1,1,1]<=[2]}
-  ROOT %bwd = f32[2,2,1,72] custom-call(%q, %dynamic-slice, %v, %fwd, %dout), custom_call_target="attention-backward", backend_config={"is_causal":true,"has_mask":false}, sharding={devices=[2,1,1,1]<=[2]}
+  %fwd = f32[2,2,6,2,4] custom-call(%q, %dynamic-slice, %v), custom_call_target="attention-forward", backend_config={"is_causal":true,"has_mask":false}, sharding={devices=[1,2,1,1,1]<=[2]}
+  ROOT %bwd = f32[3,2,6,2,4] custom-call(%q, %dynamic-slice, %v, %fwd, %dout), custom_call_target="attention-backward", backend_config={"is_causal":true,"has_mask":false}, sharding={devices=[1,2,1,1,1]<=[2]}
 }
 """
 
 HEADS_SEQ_IN = """HloModule attn_grad_2d, num_partitions=4, mesh={dp=2,tp=2}
 
-ENTRY %main (q: f32[2,4,6,4], k: f32[2,4,6,4], v: f32[2,4,6,4], dout: f32[2,4,6,4], mask: pred[2,4,6,6]) -> f32[2,4,1,72] {
+ENTRY %main (q: f32[2,4,6,4], k: f32[2,4,6,4], v: f32[2,4,6,4], dout: f32[2,4,6,4], mask: pred[2,4,6,6]) -> f32[3,2,6,4,4] {
   %q = f32[2,4,6,4] parameter(0), sharding={devices=[2,2,1,1]<=[4]}
   %k = f32[2,4,6,4] parameter(1), sharding={devices=[2,2,1,1]<=[4]}
   %v = f32[2,4,6,4] parameter(2), sharding={devices=[2,2,1,1]<=[4]}
   %dout = f32[2,4,6,4] parameter(3), sharding={devices=[2,1,2,1]<=[4]}
   %mask = pred[2,4,6,6] parameter(4), sharding={replicated}
-  %fwd = f32[2,4,6,5] custom-call(%q, %k, %v, %mask), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}
-  ROOT %bwd = f32[2,4,1,72] custom-call(%q, %k, %v, %fwd, %dout, %mask), custom_call_target="attention-backward", backend_config={"is_causal":false,"has_mask":true}
+  %fwd = f32[2,2,6,4,4] custom-call(%q, %k, %v, %mask), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}
+  ROOT %bwd = f32[3,2,6,4,4] custom-call(%q, %k, %v, %fwd, %dout, %mask), custom_call_target="attention-backward", backend_config={"is_causal":false,"has_mask":true}
 }
 """
 
@@ -64,7 +65,7 @@ ENTRY %main (q: f32[2,4,6,4], k: f32[2,4,6,4], v: f32[2,4,6,4], dout: f32[2,4,6,
 # replicated mask is sliced to the (batch, head) shard
 HEADS_SEQ_OUT = """HloModule attn_grad_2d, num_partitions=4, mesh={dp=2,tp=2}, is_partitioned=true
 
-ENTRY %main (q: f32[1,2,6,4], k: f32[1,2,6,4], v: f32[1,2,6,4], dout: f32[1,4,3,4], mask: pred[2,4,6,6]) -> f32[1,2,1,72] {
+ENTRY %main (q: f32[1,2,6,4], k: f32[1,2,6,4], v: f32[1,2,6,4], dout: f32[1,4,3,4], mask: pred[2,4,6,6]) -> f32[3,1,6,2,4] {
   %q = f32[1,2,6,4] parameter(0), sharding={devices=[2,2,1,1]<=[4]}
   %k = f32[1,2,6,4] parameter(1), sharding={devices=[2,2,1,1]<=[4]}
   %v = f32[1,2,6,4] parameter(2), sharding={devices=[2,2,1,1]<=[4]}
@@ -80,9 +81,9 @@ ENTRY %main (q: f32[1,2,6,4], k: f32[1,2,6,4], v: f32[1,2,6,4], dout: f32[1,4,3,
   %multiply.1 = s32[] multiply(%remainder, %constant)
   %constant.2 = s32[] constant(0)
   %dynamic-slice = pred[1,2,6,6] dynamic-slice(%mask, %multiply, %multiply.1, %constant.2, %constant.2), dynamic_slice_sizes={1,2,6,6}, sharding={devices=[2,2,1,1]<=[4]}
-  %fwd = f32[1,2,6,5] custom-call(%q, %k, %v, %dynamic-slice), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}, sharding={devices=[2,2,1,1]<=[4]}
+  %fwd = f32[2,1,6,2,4] custom-call(%q, %k, %v, %dynamic-slice), custom_call_target="attention-forward", backend_config={"is_causal":false,"has_mask":true}, sharding={devices=[1,2,1,2,1]<=[4]}
   %all-to-all = f32[1,2,6,4] all-to-all(%dout), replica_groups={{0,1},{2,3}}, split_dimension=1, concat_dimension=2, sharding={devices=[2,2,1,1]<=[4]}
-  ROOT %bwd = f32[1,2,1,72] custom-call(%q, %k, %v, %fwd, %all-to-all, %dynamic-slice), custom_call_target="attention-backward", backend_config={"is_causal":false,"has_mask":true}, sharding={devices=[2,2,1,1]<=[4]}
+  ROOT %bwd = f32[3,1,6,2,4] custom-call(%q, %k, %v, %fwd, %all-to-all, %dynamic-slice), custom_call_target="attention-backward", backend_config={"is_causal":false,"has_mask":true}, sharding={devices=[1,2,1,2,1]<=[4]}
 }
 """
 
@@ -115,8 +116,8 @@ def _check_numbers(text, pm):
     mask = args[4] if len(args) > 4 else None
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
     grads = torch.autograd.grad(out, (q, k, v), args[3].double())
-    flat = torch.cat([g.flatten(-2) for g in grads], -1).unsqueeze(-2)
-    torch.testing.assert_close(want.double(), flat, rtol=1e-5, atol=1e-5)
+    slabs = torch.stack([g.transpose(1, 2) for g in grads])  # [3, B, S, H, D]
+    torch.testing.assert_close(want.double(), slabs, rtol=1e-5, atol=1e-5)
 
 
 def test_batch_sharded_golden():
@@ -136,9 +137,9 @@ def test_plan_of_the_backward_call():
     s = TensorSharding
     bwd = parse_module(HEADS_SEQ_IN).entry.root
     mesh = MeshShape(("dp", "tp"), (2, 2))
-    rep = s(((), (), (), ()))
+    rep, rep5 = s(((),) * 4), s(((),) * 5)
     p = plan(bwd, [s(((), (), ("tp",), ())), None, None, None, None, None], None, mesh)
-    assert p.result == rep and p.operands[:5] == (rep,) * 5
-    lead = s((("dp",), ("tp",), (), ()))
-    p = plan(bwd, [None] * 6, lead, mesh)
-    assert p.operands == (lead,) * 6 and p.result == lead
+    assert p.result == rep5 and p.operands[:5] == (rep, rep, rep, rep5, rep)
+    lead, slabs = s((("dp",), ("tp",), (), ())), s(((), ("dp",), (), ("tp",), ()))  # slabs [3, B, S, H, D]
+    p = plan(bwd, [None] * 6, slabs, mesh)
+    assert p.operands == (lead, lead, lead, slabs, lead, lead) and p.result == slabs
