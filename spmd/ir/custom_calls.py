@@ -32,8 +32,10 @@ Sharding-rule kinds (``CustomCallSpec.rule``):
 - ``"attention"``: q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]`` and the optional
   mask (broadcastable to ``[..., Sq, Sk]``); the leading (batch, head) dims may be sharded and
   must agree across operands; the last two dims (sequence, head dim) must be unsharded. Operands after
-  q, k, v (mask; the training calls' packed forward result and output gradient) and the result
-  share the leading dims' shardings where their sizes match q's.
+  q, k, v (mask; the training calls' output gradient) and the result share the leading dims'
+  shardings where their sizes match q's; the training calls' packed results (``attention-forward``'s
+  result, ``attention-backward``'s result and its operand 3, slabs ``[n, *lead[:-1], S, lead[-1], E]``)
+  hold them at their slab dims (``spmd.ir.custom_calls_attention.slab_dim``).
 - ``"convolution"``: ``conv1d`` (``spmd.ir.custom_calls_conv``).
 - ``"scan"``: cumsum / cumprod; any dim may be sharded, the scanned one through a parallel
   prefix (``spmd.passes.partition_scan``).

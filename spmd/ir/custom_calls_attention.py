@@ -45,7 +45,8 @@ math definition (float32 arithmetic for 16-bit inputs); an unknown backend is a 
 Only dropout_p = 0: the importer rejects SDPA with dropout (a clear error).
 
 Sharding rule ``"attention"`` (``spmd.passes.sharding_rules``): the leading (batch, head) dims of
-every operand and of the result may be sharded alike; the last two dims are unsharded.
+every operand and of the result may be sharded alike (in a packed result, at its dims
+``slab_dim``); the sequence and last dims are unsharded.
 """
 
 from __future__ import annotations
