@@ -51,6 +51,8 @@ CASES = [  # (q shape, Sk, Dv, causal, mask kind, scale)
     ((3, 5, 8), 4, 6, False, None, None),  # Dv != D: math kernel
     ((2, 2, 3, 5, 4), 5, 4, False, "bool", None),  # rank 5
     ((2, 2, 3, 5, 4), 5, 4, True, None, 0.7),
+    ((5, 4), 7, 4, False, "bool", None),  # rank 2: slabs [S, E]
+    ((3, 5, 4), 7, 4, True, None, None),  # rank 3: slabs [S, N, E]
 ]
 
 
@@ -89,6 +91,18 @@ def test_bfloat16_within_rounding():
         got = _run(q, k, v, None, True, None, do, backend)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
             torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2, msg=f"{backend} {name}")
+
+
+def test_value_head_dim_narrower_than_the_statistics():
+    """bfloat16 with Dv = 1: the slabs are 2 columns wide (one float32 log-sum-exp), the output
+    slab's second column zero; forward and gradients match the float64 reference."""
+    q, k, v, _, do = _inputs((2, 3, 5, 4), 6, 1, None, torch.bfloat16)
+    want = _reference(q, k, v, None, False, None, do)
+    got = _run(q, k, v, None, False, None, do)
+    packed = get_custom_call("attention-forward").fn([q, k, v], {})
+    assert packed.shape == (2, 2, 5, 3, 2) and torch.equal(packed[0, ..., 1:], torch.zeros_like(packed[0, ..., 1:]))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2, msg=name)
 
 
 def _kind(q, k, v, mask=None, causal=False, backend="auto"):
