@@ -7,8 +7,9 @@ memory-efficient (cutlass) kernel at several times the FLOP floor. So, as XLA's 
 autotuners choose GEMM kernels, the first call of a key times every backend that accepts the
 inputs and keeps the fastest (the gemv choice, ``spmd.runtime.kernels_gemv``, does the same):
 
-- key: device, q / k / v shapes, strides and dtype, the mask's shape, strides and dtype (or
-  none), is_causal, scale, and which backends PyTorch has enabled
+- key: the GPU model (every GPU of one model in the process shares the choice: a replicated value
+  is computed by the same kernel on each device), q / k / v shapes, strides and dtype, the mask's
+  shape, strides and dtype (or none), is_causal, scale, and which backends PyTorch has enabled
   (``torch.backends.cuda.*_sdp_enabled``: a backend the user turned off is never a candidate);
 - candidates: each enabled backend forced with ``torch.nn.attention.sdpa_kernel``; one that
   raises for these inputs (no kernel for the dtype, head dim, mask or layout) is skipped, and so
@@ -20,7 +21,8 @@ inputs and keeps the fastest (the gemv choice, ``spmd.runtime.kernels_gemv``, do
 - the fastest wins unless PyTorch's own pick (``torch._fused_sdp_choice``) is within
   ``KEEP_DEFAULT_MARGIN``: then, and whenever nothing could be timed, the call runs exactly as
   before (no flags touched). Every choice is appended to ``DECISIONS`` and counted in
-  ``spmd.metrics`` (``attention.choice.<backend>``, ``attention.choice.default``).
+  ``spmd.metrics`` (``attention.choice.<backend>``; ``attention.choice.default`` where nothing
+  could be timed, ``attention.choice_failed`` where the timing itself failed).
 
 No timing inside a CUDA-graph capture: a capture of a key not chosen yet runs PyTorch's default
 (``attention.capture_default``) and the next non-capturing call decides. ``sdpa_kernel`` only sets
@@ -34,7 +36,7 @@ non-4-d inputs run ``F.scaled_dot_product_attention`` as before. ``SPMD_ATTENTIO
 ``auto`` (default: timing as above), ``default`` (PyTorch's heuristic everywhere, no timing) or a
 backend name in ``BACKENDS`` (that backend wherever it accepts the inputs, else the default;
 counted in ``attention.forced_unavailable``) for measurements. Any other value is a ValueError
-naming the variable.
+naming the variable. ``override_mode(mode)`` sets the mode for one thread (a same-run A/B).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import os
 import statistics
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -79,6 +81,7 @@ _ENABLED = {
 }
 _NAMES = {backend.value: name for name, backend in BACKENDS.items()}
 _FLAGS_LOCK = threading.Lock()
+_kinds: dict[torch.device, str] = {}
 _choices: dict[tuple, str | None] = {}  # key -> backend to force, or None: PyTorch's default
 
 
@@ -116,13 +119,32 @@ class Decision:
 DECISIONS: list[Decision] = []  # every choice made in this process, in order (for reports)
 
 
+_override = threading.local()
+
+
 def choice_mode() -> str:
-    """``SPMD_ATTENTION_CHOICE`` (``auto`` if unset), one of ``MODES``; ValueError naming the
-    variable for any other value."""
-    mode = os.environ.get(CHOICE_ENV, "auto") or "auto"
+    """The mode of this thread's innermost ``override_mode``, else ``SPMD_ATTENTION_CHOICE``
+    (``auto`` if unset): one of ``MODES``; ValueError naming the variable for any other value."""
+    mode = getattr(_override, "mode", None) or os.environ.get(CHOICE_ENV, "auto") or "auto"
     if mode not in MODES:
         raise ValueError(f"{CHOICE_ENV}: expected one of {MODES}, got {mode!r}")
     return mode
+
+
+@contextlib.contextmanager
+def override_mode(mode: str) -> Iterator[None]:
+    """Within (this thread): attention calls run in ``mode`` (one of ``MODES``) whatever
+    ``SPMD_ATTENTION_CHOICE`` says; for same-process comparisons (a program warmed up and captured
+    under ``override_mode("default")`` keeps PyTorch's kernels in its CUDA graph). ValueError for
+    an unknown mode."""
+    if mode not in MODES:
+        raise ValueError(f"attention choice mode: expected one of {MODES}, got {mode!r}")
+    previous = getattr(_override, "mode", None)
+    _override.mode = mode
+    try:
+        yield
+    finally:
+        _override.mode = previous
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None) -> Tensor:
@@ -197,7 +219,18 @@ def _layout(t: Tensor | None) -> tuple:
 def _key(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None) -> tuple:
     with _FLAGS_LOCK:  # not while another thread holds its forced flags
         enabled = tuple(name for name, on in _ENABLED.items() if on())
-    return (q.device, _layout(q), _layout(k), _layout(v), _layout(mask), bool(is_causal), scale, enabled)
+    return (_device_kind(q.device), _layout(q), _layout(k), _layout(v), _layout(mask), bool(is_causal), scale,
+            enabled)
+
+
+def _device_kind(device: torch.device) -> str:
+    """The GPU model of ``device``: one choice for all GPUs of a model in this process, so that a
+    value replicated over devices is computed by the same kernel, bit for bit, on each of them."""
+    kind = _kinds.get(device)
+    if kind is None:
+        kind = _kinds[device] = f"{device.type}:{torch.cuda.get_device_name(device)}" if device.type == "cuda" \
+            else device.type
+    return kind
 
 
 def _decide(key: tuple, q, k, v, mask, is_causal, scale) -> str | None:
@@ -326,14 +359,17 @@ def _median_us(calls: list[Callable[[], Tensor]], device: torch.device) -> list[
     interleaved, each after a read of a large buffer that evicts the inputs from L2 (a cold L2,
     as ``kernels_gemv`` times). A call that cannot be captured gets None."""
     graphs: list[torch.cuda.CUDAGraph | None] = []
+    side = torch.cuda.Stream(device)  # torch.cuda.graph's shared default stream may be another device's
+    caller = torch.cuda.current_stream(device)
     for call in calls:
         torch.cuda.synchronize(device)
         g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
                 call()
             graphs.append(g)
         except Exception:  # noqa: BLE001 - a backend that cannot be captured is not a candidate
+            torch.cuda.set_stream(caller)  # a failed capture_end skips torch.cuda.graph's stream restore
             graphs.append(None)
     flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
     total = torch.empty((), dtype=torch.float32, device=device)

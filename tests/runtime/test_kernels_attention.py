@@ -219,6 +219,19 @@ def test_the_environment_variable_turns_timing_off(timed_on_cpu, monkeypatch, mo
     assert timed_on_cpu == [] and ka._choices == {}
 
 
+def test_an_override_holds_for_its_thread_only(timed_on_cpu, monkeypatch):
+    monkeypatch.setenv(ka.CHOICE_ENV, "fastest")  # the override wins over the variable
+    q, k, v, mask = _inputs()
+    with ka.override_mode("default"):
+        ka.sdpa(q, k, v, mask, False, None)
+        assert ka.choice_mode() == "default"
+    assert timed_on_cpu == [] and ka._choices == {}
+    monkeypatch.delenv(ka.CHOICE_ENV)
+    assert ka.choice_mode() == "auto"
+    with pytest.raises(ValueError, match="'fast'"), ka.override_mode("fast"):
+        pass
+
+
 def test_a_forced_backend_without_a_kernel_falls_back_to_the_default(timed_on_cpu, monkeypatch):
     monkeypatch.setenv(ka.CHOICE_ENV, "efficient")  # no memory-efficient kernel on CPU
     q, k, v, mask = _inputs()
