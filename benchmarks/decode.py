@@ -276,6 +276,9 @@ def main(argv=None) -> int:
     for d in DECISIONS:  # the timed kernel choice of each one-row product shape
         log(f"gemv {d.weight_shape} {d.dtype} accumulate={d.accumulate}: generated {d.generated_us:.1f} us, "
             f"cuBLAS {d.cublas_us:.1f} us")
+    from spmd.runtime.kernels_attention import DECISIONS as ATTENTION_DECISIONS
+    for d in ATTENTION_DECISIONS:  # the timed attention backend choice of each shape
+        log(d.line())
     for r in records:
         if r.get("error"):
             print(f"  batch {r['batch']} {r['variant']}: {r['error']}")
