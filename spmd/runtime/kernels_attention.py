@@ -80,7 +80,7 @@ _ENABLED = {
     "math": torch.backends.cuda.math_sdp_enabled,
 }
 _NAMES = {backend.value: name for name, backend in BACKENDS.items()}
-_FLAGS_LOCK = threading.Lock()
+_FLAGS_LOCK = threading.RLock()  # re-entrant: a dispatch mode may call back into attention
 _kinds: dict[torch.device, str] = {}
 _choices: dict[tuple, str | None] = {}  # key -> backend to force, or None: PyTorch's default
 
@@ -156,8 +156,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, 
     result ``[B, H, Sq, Dv]`` in q's dtype. Errors are PyTorch's for inputs no backend accepts.
     """
     mode = choice_mode()
-    if mode == "default" or not _can_time(q, k, v, mask):
+    if not _on_gpu(q):  # CPU: as before
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    if mode == "default" or not _can_time(q, k, v, mask):
+        return _default(q, k, v, mask, is_causal, scale)
     if mode != "auto":
         return _forced(mode, q, k, v, mask, is_causal, scale)
     key = _key(q, k, v, mask, is_causal, scale)
@@ -170,9 +172,14 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, 
         else:
             name = _decide(key, q, k, v, mask, is_causal, scale)
     if name is None:
-        with _FLAGS_LOCK:  # never under another thread's forced flags
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+        return _default(q, k, v, mask, is_causal, scale)
     return run_backend(name, q, k, v, mask, is_causal, scale)
+
+
+def _default(q, k, v, mask, is_causal, scale) -> Tensor:
+    """PyTorch's own backend pick, never under another thread's forced flags."""
+    with _FLAGS_LOCK:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
 
 def run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -184,9 +191,13 @@ def run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
 
+def _on_gpu(q: Tensor) -> bool:
+    return q.is_cuda
+
+
 def _can_time(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    """Plain 4-d CUDA tensors outside any tracing mode and not needing gradients."""
-    if not q.is_cuda or q.dim() != 4:
+    """Plain 4-d tensors outside any tracing mode and not needing gradients."""
+    if q.dim() != 4:
         return False
     tensors = (q, k, v) if mask is None else (q, k, v, mask)
     if any(type(t) is not torch.Tensor for t in tensors):
@@ -208,8 +219,7 @@ def _forced(name: str, q, k, v, mask, is_causal, scale) -> Tensor:
         return run_backend(name, q, k, v, mask, is_causal, scale)
     except RuntimeError:  # the forced backend has no kernel for these inputs
         metrics.counter("attention.forced_unavailable").inc()
-        with _FLAGS_LOCK:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+        return _default(q, k, v, mask, is_causal, scale)
 
 
 def _layout(t: Tensor | None) -> tuple:

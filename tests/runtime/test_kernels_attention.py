@@ -139,7 +139,7 @@ def timed_on_cpu(monkeypatch):
     """Let CPU tensors take the timed path, with a fake timer that makes math the fastest."""
     monkeypatch.setattr(ka, "_choices", {})
     monkeypatch.delenv(ka.CHOICE_ENV, raising=False)
-    monkeypatch.setattr(ka, "_can_time", lambda *a: True)
+    monkeypatch.setattr(ka, "_on_gpu", lambda q: True)
     calls = []
 
     def median_us(fns, device):
@@ -188,6 +188,20 @@ def test_the_default_pick_winning_runs_without_flags(timed_on_cpu, monkeypatch):
     monkeypatch.setattr(ka, "run_backend", lambda *a: forced.append(a[0]) or run_backend(*a))
     got = ka.sdpa(q, k, v, mask, False, None)
     assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask)) and forced == []
+
+
+def test_inputs_needing_gradients_traces_and_other_ranks_are_not_timed(timed_on_cpu):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, mask = _inputs()
+    out = ka.sdpa(q.requires_grad_(), k, v, mask, False, None)
+    assert out.requires_grad
+    ka.sdpa(q[0].detach(), k[0], v[0], mask[0], False, None)  # 3-d
+    plain = [t.detach() for t in (q, k, v)]
+    with FakeTensorMode() as fake:
+        fq, fk, fv = (fake.from_tensor(t) for t in plain)
+        assert ka.sdpa(fq, fk, fv, None, True, None).shape == (2, 3, 5, 8)
+    assert timed_on_cpu == [] and ka._choices == {}
 
 
 def test_a_user_disabled_backend_is_no_candidate(timed_on_cpu):
