@@ -276,7 +276,7 @@ def test_minilm_shaped_attention_through_jit_equals_float64(monkeypatch, dtype, 
     monkeypatch.delenv(ka.CHOICE_ENV, raising=False)
     mesh = spmd.Mesh.create(("tp",), devices="cuda:1")
     g = torch.Generator(device="cuda").manual_seed(batch)
-    q, k, v = (torch.randn(batch, 128, 12, 32, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    q, k, v = (torch.randn(batch, 128, 12, 32, device="cuda", generator=g).to(dtype).transpose(1, 2).contiguous()
                for _ in range(3))
     keep = torch.arange(128, device="cuda")[None, :] < torch.tensor([128, 100, 77, 5] * 2, device="cuda")[:batch, None]
     mask = keep[:, None, None, :]
