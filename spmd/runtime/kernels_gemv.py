@@ -43,7 +43,7 @@ MAX_ROWS = 16  # rows of x up to which a product counts as skinny (decode batch 
 #: (block_n, block_k, num_warps, num_stages) of the Triton candidates: 16-64 output columns per
 #: program (256-2000 programs for Llama-2-7B's shapes), 32-64 KiB of weight in flight per program
 SKINNY_CONFIGS = ((16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
-                  (64, 256, 8, 3))
+                  (64, 256, 8, 3), (32, 256, 4, 6), (32, 512, 8, 3))
 _L2_FLUSH_BYTES = 256 * 2**20
 _TIMED_CALLS = 9
 _OPTIONS = {**kf._INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
