@@ -54,6 +54,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from spmd import metrics
 from spmd.compile_lock import CAPTURE_LOCK
@@ -155,9 +156,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, 
     ``[B, H, Sq, Sk]`` (bool: True = attend; float: added to the scores); any floating dtype; the
     result ``[B, H, Sq, Dv]`` in q's dtype. Errors are PyTorch's for inputs no backend accepts.
     """
-    mode = choice_mode()
     if not _on_gpu(q):  # CPU: as before
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    mode = choice_mode()
     if mode == "default" or not _can_time(q, k, v, mask):
         return _default(q, k, v, mask, is_causal, scale)
     if mode != "auto":
@@ -204,8 +205,6 @@ def _can_time(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
         return False  # fake / functional tensors of a trace
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return _get_current_dispatch_mode() is None
 
 
