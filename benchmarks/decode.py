@@ -275,6 +275,9 @@ def main(argv=None) -> int:
     from spmd.runtime.kernels_gemv import DECISIONS
     for d in DECISIONS:  # the timed kernel choice of each skinny product shape
         log(d.summary())
+    from spmd.runtime.kernels_attention import DECISIONS as ATTENTION_DECISIONS
+    for d in ATTENTION_DECISIONS:  # the timed attention backend choice of each shape
+        log(d.line())
     for r in records:
         if r.get("error"):
             print(f"  batch {r['batch']} {r['variant']}: {r['error']}")
