@@ -273,9 +273,11 @@ def main(argv=None) -> int:
     rows = table_rows(records)
     reporting.print_table(title, HEADERS, rows)
     from spmd.runtime.kernels_gemv import DECISIONS
-    for d in DECISIONS:  # the timed kernel choice of each one-row product shape
-        log(f"gemv {d.weight_shape} {d.dtype} accumulate={d.accumulate}: generated {d.generated_us:.1f} us, "
-            f"cuBLAS {d.cublas_us:.1f} us")
+    for d in DECISIONS:  # the timed kernel choice of each skinny product shape
+        log(d.summary())
+    from spmd.runtime.kernels_attention import DECISIONS as ATTENTION_DECISIONS
+    for d in ATTENTION_DECISIONS:  # the timed attention backend choice of each shape
+        log(d.line())
     for r in records:
         if r.get("error"):
             print(f"  batch {r['batch']} {r['variant']}: {r['error']}")

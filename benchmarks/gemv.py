@@ -10,6 +10,8 @@ per shape, the weight bytes read per second by
 - ``tn-lt`` / ``nn-lt``: the same through cuBLASLt (``torch.backends.cuda.preferred_blas_library``),
 - ``inductor``: ``torch.compile`` of the product written as a multiply and a float32 sum (an
   Inductor reduction kernel, coordinate-descent tuned as gpt-fast sets it),
+- ``triton``: ``spmd.runtime.triton_skinny`` in each of ``kernels_gemv.SKINNY_CONFIGS`` (the
+  fastest configuration is reported; every configuration's time is printed),
 
 against the device's copy bandwidth (``copy``: a ``[N, K]`` clone, read + write bytes / time).
 Weights rotate over copies larger than the L2 cache, so every call reads HBM as in a decode step
@@ -34,11 +36,23 @@ SHAPES = {  # name: (K, N) of the Llama-2-7B decode products
     "down": (11008, 4096),
     "lm-head": (4096, 32000),
 }
-VARIANTS = ("tn", "nn", "tn-lt", "nn-lt", "inductor")
+VARIANTS = ("tn", "nn", "tn-lt", "nn-lt", "inductor", "triton")
 L2_FLUSH_BYTES = 512 * 2**20
 
 
 def _product(variant: str):
+    if variant.startswith("triton-"):
+        from spmd.runtime import triton_skinny
+        from spmd.runtime.kernels_gemv import SKINNY_CONFIGS
+
+        bn, bk, warps, stages = SKINNY_CONFIGS[int(variant.removeprefix("triton-"))]
+
+        def skinny(x, w):
+            out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+            triton_skinny.launch(x, w, out, accumulate=False, block_n=bn, block_k=bk, num_warps=warps,
+                                 num_stages=stages)
+            return out
+        return skinny
     if variant == "inductor":
         import torch._inductor.config as cfg
         cfg.coordinate_descent_tuning = True
@@ -80,9 +94,13 @@ def measure(m: int, k: int, n: int, variants, rounds: int, calls: int, dtype=tor
     x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
     ref = (x.double() @ w_nk[0].double().T)
     graphs = {}
+    if "triton" in variants:
+        from spmd.runtime.kernels_gemv import SKINNY_CONFIGS
+
+        variants = [v for v in variants if v != "triton"] + [f"triton-{i}" for i in range(len(SKINNY_CONFIGS))]
     for v in variants:
         torch.backends.cuda.preferred_blas_library("cublaslt" if v.endswith("-lt") else "cublas")
-        ws = w_kn if v.startswith("nn") else w_nk
+        ws = w_kn if v.startswith("nn-") or v == "nn" else w_nk
         fn = _product(v)
         err = ((fn(x, ws[0]).double() - ref).norm() / ref.norm()).item()
         if err > 1e-2:
@@ -94,7 +112,13 @@ def measure(m: int, k: int, n: int, variants, rounds: int, calls: int, dtype=tor
     for _ in range(rounds):
         for v, gr in graphs.items():
             times[v].append(_time_us(gr, calls))
-    return {v: statistics.median(t) for v, t in times.items()}
+    result = {v: statistics.median(t) for v, t in times.items()}
+    skinny = {v: t for v, t in result.items() if v.startswith("triton-")}
+    if skinny:
+        result["triton"] = min(skinny.values())
+        print(f"  M={m} K={k} N={n} triton configs (µs): "
+              + ", ".join(f"{SKINNY_CONFIGS[int(v[7:])]} {t:.1f}" for v, t in skinny.items()), flush=True)
+    return result
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,8 @@ built in one process from the same module and timed in interleaved rounds (A B C
 median of round medians, CUDA events): PyTorch ``eager``, ``torch.compile`` (default mode),
 ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), ``spmd`` (``spmd.parallelize`` with
 default options on a one-device mesh) and spmd with single options turned off, to show what
-each is worth.
+each is worth (``spmd-attn-default``: attention on PyTorch's own backend pick instead of the
+timed choice of ``spmd.runtime.kernels_attention``, whose decisions each row logs).
 
 Anchors in the same run: the **HBM floor** (bytes of the weights read once per call / the HBM
 bandwidth measured here by a device-to-device copy) and the **compute floor** (the model's
@@ -64,7 +65,10 @@ SPMD_VARIANTS: dict[str, dict[str, Any]] = {
     "spmd": {},
     "spmd-no-merge": {"merge_dots": False},
     "spmd-no-hoist": {"hoist_weights": False},
+    "spmd-attn-default": {},
 }
+#: spmd variants whose calls run attention with PyTorch's own backend pick, not the timed choice.
+PYTORCH_ATTENTION = frozenset({"spmd-attn-default"})
 TORCH_VARIANTS = ("eager", "compile", "compile-ro")
 
 
@@ -182,9 +186,21 @@ def build_variants(row: Row, module, inputs: tuple, device, args) -> tuple[dict[
             pm = spmd.parallelize(module, mesh, plan_for(row), options=spmd.CompileOptions(**changes))
             placed = pm.place_inputs(*inputs)
             calls[name] = lambda pm=pm, placed=placed: pm(*placed)
+            if name in PYTORCH_ATTENTION:
+                calls[name] = _pytorch_attention(calls[name])
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
     return {k: v for k, v in calls.items() if v is not None}, errors
+
+
+def _pytorch_attention(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with attention on PyTorch's own backend pick (its CUDA graph keeps those kernels)."""
+    from spmd.runtime.kernels_attention import override_mode
+
+    def run():
+        with override_mode("default"):
+            return call()
+    return run
 
 
 def _try(errors: dict[str, str], name: str, make: Callable[[], Any]) -> Any:
@@ -234,8 +250,13 @@ def run_row(row: Row, args, device, limits: dict[str, dict[str, float]], log: Ca
     del ref_module
     inputs = _cast_inputs(inputs32, dtype, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    from spmd.runtime.kernels_attention import DECISIONS
+
+    decided = len(DECISIONS)
     calls, errors = build_variants(row, module, inputs, device, args)
     rel = check_numerics(calls, ref, errors)
+    for d in DECISIONS[decided:]:  # the timed attention backend choice of this row's shapes
+        log(f"{row.name}: {d.line()}")
     log(f"{row.name}: timing {', '.join(calls)}")
     times = common.interleaved(calls, [device], rounds=args.rounds, reps=args.reps, warmup=2, log=log)
     lim = limits[row.dtype]

@@ -52,6 +52,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from spmd.runtime import kernels_attention
+
 Config = dict[str, Any]
 
 RULE_KINDS = frozenset({"elementwise", "reduction-last-dims", "attention", "sharding-constraint", "convolution",
@@ -131,7 +133,9 @@ def _attention(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
 
     q ``[..., Sq, D]``, k ``[..., Sk, D]``, v ``[..., Sk, Dv]``, optional mask (bool: True =
     attend; float: added) -> ``[..., Sq, Dv]``. Config: is_causal, scale (None = 1/sqrt(D)),
-    has_mask. Uses ``torch.nn.functional.scaled_dot_product_attention``.
+    has_mask. Uses ``torch.nn.functional.scaled_dot_product_attention`` through
+    ``spmd.runtime.kernels_attention.sdpa``: on CUDA, with the backend chosen per shape and dtype
+    by timing; elsewhere PyTorch's own choice.
     """
     q, k, v = operands[:3]
     mask = operands[3] if config.get("has_mask", len(operands) > 3) else None
@@ -141,10 +145,8 @@ def _attention(operands: list[torch.Tensor], config: Config) -> torch.Tensor:
         q, k, v = (t.reshape(-1, 1, *t.shape[-2:]) if t.dim() < 4 else t.flatten(0, -4) for t in (q, k, v))
         if mask is not None and mask.dim() > 2:
             mask = mask.expand(*lead, *mask.shape[-2:]).reshape(*q.shape[:-2], *mask.shape[-2:])
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=bool(config.get("is_causal", False)),
-        scale=None if scale is None else float(scale),
-    )
+    out = kernels_attention.sdpa(q, k, v, mask, bool(config.get("is_causal", False)),
+                                 None if scale is None else float(scale))
     return out.reshape(*lead, *out.shape[-2:])
 
 

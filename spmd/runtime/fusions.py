@@ -384,7 +384,8 @@ def make_addmm(batched: bool, rhs_transposed: bool, dims: tuple[int, ...] | None
         a, c = a.reshape(-1, a.shape[-1]), c.reshape(-1, c.shape[-1])
         if in_place:
             o = out.view(-1, out.shape[-1])
-            if a.shape[0] == 1 and (w := kernels_gemv.as_weight(b)) is not None and kernels_gemv.gemv(a, w, o, True):
+            w = kernels_gemv.as_weight(b) if a.shape[0] <= kernels_gemv.MAX_ROWS else None
+            if w is not None and kernels_gemv.gemv(a, w, o, True):
                 return out
             o.addmm_(a, b)
             return out

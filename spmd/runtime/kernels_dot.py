@@ -73,7 +73,7 @@ def build_dot(inst: Instruction, dev=None):
     dtype = inst.shape.torch_dtype
     convert = lhs.shape.dtype != inst.shape.dtype
     widen = convert and dtype.is_floating_point and dtype.itemsize > lhs.shape.torch_dtype.itemsize
-    one_row = not lb and m == 1  # a matrix-vector product (a decode step): maybe a generated kernel
+    skinny = not lb and m <= kernels_gemv.MAX_ROWS  # a decode-step product: maybe a generated kernel
     if lb:
         a_shape, b_shape, o_shape, mm = (b, m, k), (b, k, n), (b, m, n), torch.bmm
     else:
@@ -89,7 +89,7 @@ def build_dot(inst: Instruction, dev=None):
         y = y.reshape(b_shape)
         if out is not None and not convert and out.is_contiguous():
             o = out.view(o_shape)
-            if one_row and (w := kernels_gemv.as_weight(y)) is not None and kernels_gemv.gemv(x, w, o, False):
+            if skinny and (w := kernels_gemv.as_weight(y)) is not None and kernels_gemv.gemv(x, w, o, False):
                 return out
             mm(x, y, out=o)
             return out

@@ -1,21 +1,28 @@
-"""Matrix-vector products of decode steps as generated reduction kernels, chosen by timing.
+"""Skinny products of decode steps (``out[M, N] = x[M, K] @ w[N, K].T``, M ≤ 16) with the fastest
+kernel for the shape, chosen by timing.
 
-A one-row product ``out[1, N] = x[1, K] @ w[N, K].T`` (one token through a linear layer) reads
-the whole weight once and does two flops per weight element: its time is the time to stream
-``w`` from HBM. cuBLAS picks a GEMM kernel (often split-K plus a reduction kernel) that on an
-H200 reads 2.5-3.7 TB/s for Llama-2-7B's projections, while a plain row reduction that Inductor
-generates and tunes (coordinate-descent tuning of its block sizes, as gpt-fast sets it) reads
-3.4-4.3 TB/s for the same shapes and is slower for others (``benchmarks/gemv.py`` measures both).
-So, as XLA's and Inductor's GEMM autotuners do, the kernel is chosen per shape by timing both
-candidates on the device once (L2 flushed before each timed call, median of a few), and the
-choice is cached per (shape, dtype, accumulate, device).
+A product of a few rows (one token per sequence through a linear layer) reads the whole weight
+once and does ``2·M`` flops per weight element: its time is the time to stream ``w`` from HBM.
+cuBLAS picks a GEMM kernel (often split-K plus a reduction kernel) that on an H200 reads 2.5-3.7
+TB/s for Llama-2-7B's projections (``benchmarks/gemv.py``), against ~4.1 TB/s for a plain copy.
+The candidates are
 
-The generated kernel accumulates in float32 and rounds once, as cuBLAS does; ``accumulate``
-(``addmm``'s ``C + A @ B`` in place) adds the rounded product to ``out`` in a second kernel:
-two roundings, as eager PyTorch's ``h + F.linear(x, w)`` makes. Used only where fusions run as
-generated kernels (``kernels_fusion.fusion_compiler``:
-inside CUDA-graph warm-up and capture by default), for 16-bit weights of at least
-``MIN_WEIGHT_BYTES``, and only when a graph warm-up (not a capture) can time the candidates.
+- ``cublas``: ``torch.mm`` / ``addmm_`` (the default, and the reference the others are checked against);
+- ``inductor`` (one row only): the product written as a multiply and a float32 sum, a reduction
+  kernel Inductor generates and tunes (coordinate-descent tuning of its block sizes, as gpt-fast
+  sets it); 3.4-4.3 TB/s for some shapes, slower for others;
+- ``triton-*``: ``spmd.runtime.triton_skinny``, one Triton kernel in a few block configurations
+  (``SKINNY_CONFIGS``), the accumulate form fused (``out += x @ w.T`` with one rounding, as
+  ``addmm_``).
+
+As XLA's and Inductor's GEMM autotuners do, each candidate is checked once against the cuBLAS
+result and all are timed on the device once (CUDA-graph replays, L2 flushed before each timed
+call, interleaved, median); the fastest is cached per (device, dtype, shape, strides, accumulate).
+Used only where fusions run as generated kernels (``kernels_fusion.fusion_compiler``: inside
+CUDA-graph warm-up and capture by default), for 16-bit weights of at least ``MIN_WEIGHT_BYTES``,
+and only when a graph warm-up (not a capture) can time the candidates. The Inductor candidate's
+accumulate form adds its rounded product to ``out`` in a second kernel (two roundings, as eager
+PyTorch's ``h + F.linear(x, w)``); cuBLAS and Triton round once.
 """
 
 from __future__ import annotations
@@ -32,10 +39,16 @@ from spmd.runtime import kernels_fusion as kf
 
 Tensor = torch.Tensor
 MIN_WEIGHT_BYTES = 4 * 2**20
+MAX_ROWS = 16  # rows of x up to which a product counts as skinny (decode batch sizes)
+#: (block_n, block_k, num_warps, num_stages) of the Triton candidates: 16-64 output columns per
+#: program (256-2000 programs for Llama-2-7B's shapes), 32-64 KiB of weight in flight per program
+SKINNY_CONFIGS = ((16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
+                  (64, 256, 8, 3), (32, 256, 4, 6), (32, 512, 8, 3))
 _L2_FLUSH_BYTES = 256 * 2**20
-_TIMED_CALLS = 5
+_TIMED_CALLS = 9
 _OPTIONS = {**kf._INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
-_choices: dict[tuple, Callable[[Tensor, Tensor, Tensor], None] | None] = {}
+Kernel = Callable[[Tensor, Tensor, Tensor], None]
+_choices: dict[tuple, Kernel | None] = {}
 
 
 def as_weight(y: Tensor) -> Tensor | None:
@@ -46,13 +59,13 @@ def as_weight(y: Tensor) -> Tensor | None:
 
 
 def gemv(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> bool:
-    """Write ``x[1, K] @ w[N, K].T`` (plus ``out`` when ``accumulate``) into ``out[1, N]`` with the
-    faster kernel for this shape; returns False (nothing written) where cuBLAS should run instead:
-    the shape is not a one-row 16-bit product of a large contiguous weight, fusions run op by op
-    on this device, or cuBLAS was timed faster."""
+    """Write ``x[M, K] @ w[N, K].T`` (plus ``out`` when ``accumulate``) into ``out[M, N]`` with the
+    fastest kernel for this shape; returns False (nothing written) where cuBLAS should run instead:
+    the shape is not a skinny (M ≤ ``MAX_ROWS``) 16-bit product of a large contiguous weight,
+    fusions run op by op on this device, or cuBLAS was timed fastest."""
     if not _eligible(x, w, out):
         return False
-    key = (x.device, x.dtype, w.shape, accumulate, x.stride(), out.stride())
+    key = (x.device, x.dtype, x.shape[0], w.shape, accumulate, x.stride(), out.stride())
     if key not in _choices:
         if torch.cuda.is_current_stream_capturing():
             return False  # no timing inside a capture: cuBLAS, and decide at the next warm-up
@@ -67,7 +80,9 @@ def gemv(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> bool:
 def _eligible(x: Tensor, w: Tensor, out: Tensor) -> bool:
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype == out.dtype):
         return False
-    if x.dim() != 2 or x.shape[0] != 1 or out.shape != (1, w.shape[0]) or not w.is_contiguous():
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or out.shape != (x.shape[0], w.shape[0]):
+        return False
+    if not w.is_contiguous() or x.stride(1) != 1 or out.stride(1) != 1:
         return False
     if w.numel() * w.element_size() < MIN_WEIGHT_BYTES:
         return False
@@ -79,23 +94,22 @@ def _product(x: Tensor, w: Tensor, out: Tensor) -> Tensor:
     return out.copy_((x.float() * w.float()).sum(-1).unsqueeze(0).to(out.dtype))
 
 
-def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool):
-    """The generated kernel (accumulating: into a fresh buffer, then one add into ``out``) if it
-    beats cuBLAS on this device, else None (compile failures too). Inductor's fused
-    accumulate-into-``out`` form measured twice as slow as this pair on an H200."""
+def _cublas(accumulate: bool) -> Kernel:
+    def cublas(x: Tensor, w: Tensor, out: Tensor) -> None:
+        if accumulate:
+            out.addmm_(x, w.t())
+        else:
+            torch.mm(x, w.t(), out=out)
+    return cublas
+
+
+def _inductor(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> Kernel:
+    """The generated reduction (accumulating: into a fresh buffer, then one add into ``out``;
+    Inductor's fused accumulate-into-``out`` form measured twice as slow as this pair on an H200)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    try:
-        with kf.COMPILE_LOCK, torch.no_grad(), metrics.timer("gemv.compile"):
-            gm = make_fx(_product)(x, w, out.clone())
-            scratch = out.clone()
-            compiled = torch._inductor.compile(gm, [x, w, scratch], options=_OPTIONS)
-            compiled(x, w, scratch)
-            if not torch.allclose(scratch.float(), _product(x, w, out.clone()).float(), rtol=2e-2, atol=2e-2):
-                raise RuntimeError("generated matrix-vector kernel disagrees with its definition")
-    except Exception:  # noqa: BLE001 - any compiler failure keeps cuBLAS
-        metrics.counter("gemv.fallback").inc()
-        return None
+    gm = make_fx(_product)(x, w, out.clone())
+    compiled = torch._inductor.compile(gm, [x, w, out.clone()], options=_OPTIONS)
 
     def generated(x: Tensor, w: Tensor, out: Tensor) -> None:
         if accumulate:
@@ -104,28 +118,85 @@ def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool):
             out.add_(product)
         else:
             compiled(x, w, out)
+    return generated
 
-    def cublas(x: Tensor, w: Tensor, out: Tensor) -> None:
-        if accumulate:
-            out.addmm_(x, w.t())
-        else:
-            torch.mm(x, w.t(), out=out)
 
-    gen_us, blas_us = _median_us((generated, cublas), x, w, out.clone())
-    DECISIONS.append(Decision(tuple(w.shape), str(x.dtype), accumulate, gen_us, blas_us))
-    metrics.counter("gemv.generated" if gen_us < blas_us else "gemv.cublas").inc()
-    return generated if gen_us < blas_us else None
+def _candidates(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> list[tuple[str, Callable[[], Kernel]]]:
+    """(name, builder) of every non-cuBLAS candidate for this shape; a builder may raise."""
+    found: list[tuple[str, Callable[[], Kernel]]] = []
+    if x.shape[0] == 1:
+        found.append(("inductor", lambda: _inductor(x, w, out, accumulate)))
+    try:
+        from spmd.runtime import triton_skinny
+    except ImportError:  # no Triton on this machine: cuBLAS and Inductor only
+        return found
+    for bn, bk, warps, stages in SKINNY_CONFIGS:
+        def build(bn=bn, bk=bk, warps=warps, stages=stages) -> Kernel:
+            return lambda x, w, out: triton_skinny.launch(x, w, out, accumulate=accumulate, block_n=bn, block_k=bk,
+                                                          num_warps=warps, num_stages=stages)
+        found.append((f"triton-{bn}x{bk}-w{warps}-s{stages}", build))
+    return found
+
+
+def _checked(build: Callable[[], Kernel], x: Tensor, w: Tensor, out: Tensor, want: Tensor) -> Kernel | None:
+    """The built kernel if it compiles, runs and matches ``want`` (cuBLAS's result) within a few
+    16-bit roundings; else None."""
+    try:
+        kernel = build()
+        got = out.clone()
+        kernel(x, w, got)
+        torch.cuda.synchronize(x.device)
+    except Exception:  # noqa: BLE001 - any compiler or launch failure drops the candidate
+        return None
+    scale = want.float().abs().max().item() + 1e-6
+    if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale):
+        return None
+    return kernel
+
+
+def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> Kernel | None:
+    """The fastest correct candidate on this device, or None where cuBLAS is fastest."""
+    with kf.COMPILE_LOCK, torch.no_grad(), metrics.timer("gemv.compile"):
+        cublas = _cublas(accumulate)
+        want = out.clone()
+        cublas(x, w, want)
+        names, kernels = ["cublas"], [cublas]
+        for name, build in _candidates(x, w, out, accumulate):
+            kernel = _checked(build, x, w, out, want)
+            if kernel is None:
+                metrics.counter("gemv.fallback").inc()
+                continue
+            names.append(name)
+            kernels.append(kernel)
+    times = _median_us(tuple(kernels), x, w, out.clone())
+    best = min(range(len(times)), key=times.__getitem__)
+    DECISIONS.append(Decision(tuple(w.shape), x.shape[0], str(x.dtype), accumulate,
+                              tuple(zip(names, times, strict=True)), names[best]))
+    metrics.counter("gemv.cublas" if best == 0 else "gemv.generated").inc()
+    return None if best == 0 else kernels[best]
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One timed choice: weight ``[N, K]``, dtype, accumulate, and each candidate's median µs."""
+    """One timed choice: weight ``[N, K]``, rows M, dtype, accumulate, each candidate's median µs
+    (name, µs) and the chosen candidate's name."""
 
     weight_shape: tuple[int, int]
+    rows: int
     dtype: str
     accumulate: bool
-    generated_us: float
-    cublas_us: float
+    times_us: tuple[tuple[str, float], ...]
+    chosen: str
+
+    def time_us(self, name: str) -> float:
+        """The median µs of candidate ``name`` (``nan`` if it was not timed)."""
+        return dict(self.times_us).get(name, float("nan"))
+
+    def summary(self) -> str:
+        """One report line: shape, the chosen kernel and every candidate's µs."""
+        times = ", ".join(f"{n} {t:.1f}" for n, t in self.times_us)
+        return (f"gemv M={self.rows} {self.weight_shape} {self.dtype} accumulate={self.accumulate}: "
+                f"{self.chosen} ({times} us)")
 
 
 DECISIONS: list[Decision] = []  # every choice made in this process, in order (for reports)
