@@ -44,11 +44,17 @@ def _step(dtype=torch.float32, lr=1e-4):
 
 
 @pytest.fixture(scope="module")
-def lowered():
-    """(entry instructions by name, the donated program's kernel thunks that are not views)."""
+def stepped():
+    """The bfloat16 step after one call (compiled, donated state)."""
     ts = _step(torch.bfloat16)
     ts.step(_batches(1, torch.bfloat16)[0])
-    ex = ts.compiled.executable
+    return ts
+
+
+@pytest.fixture(scope="module")
+def lowered(stepped):
+    """(entry instructions by name, the donated program's kernel thunks that are not views)."""
+    ex = stepped.compiled.executable
     program = max(ex._variants.items(), key=lambda kv: len(kv[0]))[1][0]  # the variant a donating step runs
     assert program.donated_params
     insts = {i.name: i for i in ex.module.entry.instructions}
@@ -113,6 +119,29 @@ def test_attention_results_reach_the_projections_as_views(lowered):
     fed = sorted((_source(o).attrs.get("custom_call_target"), o.name in run)  # (call, operand runs a kernel)
                  for d in insts.values() if d.opcode == "dot" for o in d.operands if _source(o).opcode == "custom-call")
     assert fed == [("attention-backward", False)] * 2 * LAYERS + [("attention-forward", False)] * 2 * LAYERS
+
+
+def test_one_transposing_copy_of_an_attention_sized_value_per_layer(stepped):
+    """Copies (``copy_``: copy kernels and the attention kernels' packing) of [B, S, H*D]-sized
+    values whose source and destination strides differ, i.e. that reorder memory, in one step:
+    one per layer, the CPU flash kernel's [B, H, S, D] output into the sequence-major output slab
+    (CUDA's kernels write [B, S, H, D]: a memory copy there). Before: six per layer (that one,
+    dq, dk and dv into the head-major packed gradients, and the output and dv copied to
+    [B*S, H*D] for the projections)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if (func is torch.ops.aten.copy_.default and args[0].numel() == BATCH * SEQ * HIDDEN
+                    and args[0].stride() != args[1].stride()):
+                found.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        stepped.step(_batches(2, torch.bfloat16)[1])
+    assert len(found) == LAYERS, found
 
 
 def test_silu_is_recomputed_inside_the_gated_products(lowered):
