@@ -127,10 +127,10 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _slabs(packed: torch.Tensor, b: int, h: int) -> torch.Tensor:
-    """A contiguous packed result ``[n, *seq_major(lead, S, E)]`` as ``[n, B, H, S, E]`` (a view, the
-    leading dims as ``_as4d`` folds them)."""
+    """A packed result ``[n, *seq_major(lead, S, E)]`` as ``[n, B, H, S, E]``, the leading dims as
+    ``_as4d`` folds them (a view of a contiguous one, which the results written here are)."""
     n, s, e = packed.shape[0], packed.shape[-3 if packed.dim() > 3 else -2], packed.shape[-1]
-    return packed.view(n, b, s, h, e).transpose(2, 3)
+    return packed.reshape(n, b, s, h, e).transpose(2, 3)
 
 
 def _dense_last(t: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,7 @@ def test_results_written_into_the_given_buffer():
         assert fwd.fn([q, k, v], {}, buf) is buf
         assert torch.equal(buf, packed)
     grads = bwd.fn([q, k, v, packed, do], {})
+    assert torch.equal(bwd.fn([q, k, v, strided.copy_(packed), do], {}), grads)  # a strided packed operand
     buf = torch.full_like(grads, float("nan"))
     assert bwd.fn([q, k, v, packed, do], {}, buf) is buf and torch.equal(buf, grads)
 
