@@ -143,7 +143,10 @@ def _decompositions() -> dict:
 
 
 def _make_fx(fn, **kwargs):
-    return make_fx(fn, tracing_mode="fake", **kwargs)
+    # Tensors the function captures (a closure's tensor, a module buffer that functional_call
+    # does not replace) are real tensors among the fake ones: the fake mode converts them and the
+    # tracer records them as constants of the graph (get_attr nodes), as torch.export lifts them.
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, **kwargs)
 
 
 def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:
