@@ -1,5 +1,6 @@
 """spmd.Generator against the same model in plain PyTorch eager (float32, one device)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,6 +118,8 @@ BAD_CALLS = [
     (dict(sampling="greedy"), TypeError, "sampling"),
     (dict(prompts=[1, 2]), TypeError, r"prompts\[0\]: expected a sequence"),
     (dict(prompts=[torch.tensor(3)]), TypeError, r"prompts\[0\]: expected a 1-d tensor"),
+    (dict(prompts=[[1, 2.0]]), TypeError, r"prompts\[0\]: expected int token ids, got float 2.0"),
+    (dict(prompts=[[np.int64(1)], [np.float32(2)]]), TypeError, r"prompts\[1\]: expected int token ids, got float32"),
     (dict(timing="yes"), TypeError, "timing"),
     (dict(progress=5), TypeError, "progress: expected a callable"),
     (dict(stream_every=1, on_tokens="print"), TypeError, "on_tokens: expected a callable"),
@@ -133,6 +136,12 @@ def test_bad_input_is_a_clear_error_and_leaves_the_cache(bad_input_gen, kwargs, 
     for (k, v), (k0, v0) in zip(gen.kv_cache(), before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
     assert gen.generate([[1, 2], [3]], 4).tokens.shape == (2, 4)
+
+
+def test_numpy_integer_token_ids_are_token_ids(bad_input_gen):
+    gen = bad_input_gen
+    want = gen.generate([[1, 2], [3]], 4).tokens
+    assert torch.equal(gen.generate([[np.int64(1), np.int32(2)], [np.uint8(3)]], 4).tokens, want)
 
 
 @pytest.fixture(scope="module")
