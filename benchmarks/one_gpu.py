@@ -12,8 +12,11 @@ built in one process from the same module and timed in interleaved rounds (A B C
 median of round medians, CUDA events): PyTorch ``eager``, ``torch.compile`` (default mode),
 ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), ``spmd`` (``spmd.parallelize`` with
 default options on a one-device mesh) and spmd with single options turned off, to show what
-each is worth (``spmd-attn-default``: attention on PyTorch's own backend pick instead of the
-timed choice of ``spmd.runtime.kernels_attention``, whose decisions each row logs).
+each is worth. Each row logs the timed attention-backend choices of
+``spmd.runtime.kernels_attention`` for its shapes. (Variants with the same compile options share
+one compiled program through the process-wide compile cache, and with it one CUDA graph: calls
+alternating between two variants' weights would stage every weight into the graph's inputs on
+each call, so every spmd variant here differs in its options.)
 
 Anchors in the same run: the **HBM floor** (bytes of the weights read once per call / the HBM
 bandwidth measured here by a device-to-device copy) and the **compute floor** (the model's
@@ -65,10 +68,7 @@ SPMD_VARIANTS: dict[str, dict[str, Any]] = {
     "spmd": {},
     "spmd-no-merge": {"merge_dots": False},
     "spmd-no-hoist": {"hoist_weights": False},
-    "spmd-attn-default": {},
 }
-#: spmd variants whose calls run attention with PyTorch's own backend pick, not the timed choice.
-PYTORCH_ATTENTION = frozenset({"spmd-attn-default"})
 TORCH_VARIANTS = ("eager", "compile", "compile-ro")
 
 
@@ -186,21 +186,9 @@ def build_variants(row: Row, module, inputs: tuple, device, args) -> tuple[dict[
             pm = spmd.parallelize(module, mesh, plan_for(row), options=spmd.CompileOptions(**changes))
             placed = pm.place_inputs(*inputs)
             calls[name] = lambda pm=pm, placed=placed: pm(*placed)
-            if name in PYTORCH_ATTENTION:
-                calls[name] = _pytorch_attention(calls[name])
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
     return {k: v for k, v in calls.items() if v is not None}, errors
-
-
-def _pytorch_attention(call: Callable[[], Any]) -> Callable[[], Any]:
-    """``call`` with attention on PyTorch's own backend pick (its CUDA graph keeps those kernels)."""
-    from spmd.runtime.kernels_attention import override_mode
-
-    def run():
-        with override_mode("default"):
-            return call()
-    return run
 
 
 def _try(errors: dict[str, str], name: str, make: Callable[[], Any]) -> Any:

@@ -27,7 +27,8 @@ memory copies rather than transposing ones.
 - Forward: ``E = max(Dv, w)`` with ``w = stat_width(dtype)`` (2 for 16-bit types, else 1).
   Slab 0 holds the attention output in columns ``[0, Dv)``; slab 1 holds each row's
   log-sum-exp of the scaled scores (float32, float64 for float64 inputs) bit-packed into
-  columns ``[0, w)``; every other element is zero. The importer slices the output off slab 0
+  columns ``[0, w)``; slab 0's columns past ``Dv`` are zero, slab 1's past ``w`` unspecified
+  (never read: writing them would cost a pass over a whole slab). The importer slices the output off slab 0
   and hands the packed value itself to the backward, so the statistics are an ordinary value
   that buffer assignment keeps alive from forward to backward (and that reshards with q: every
   row's statistics sit at that row's position).
@@ -261,7 +262,7 @@ def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.T
 
     Slab 0: softmax(q kᵀ·scale + mask) v in columns ``[0, Dv)``; slab 1: the float32 (float64)
     log-sum-exp of each row's scaled, masked scores, bit-packed into columns ``[0, stat_width)``;
-    zeros elsewhere. Written into ``out`` when given.
+    slab 0's columns past Dv zero, slab 1's past stat_width unspecified. Written into ``out`` when given.
     """
     q, k, v = operands[:3]
     mask = operands[3] if config.get("has_mask", len(operands) > 3) else None
@@ -280,10 +281,7 @@ def attention_forward(operands: list[torch.Tensor], config: Config, out: torch.T
     slabs[0, ..., :dv].copy_(attn)  # a plain memory copy when the kernel wrote [B, S, H, Dv]
     stats = lse.contiguous().unsqueeze(-1).view(q.dtype).transpose(1, 2)  # [B, Sq, H, width]
     stat_slab = result[1].view(b, sq, h, cols)
-    if cols > width:  # statistics and zeros in one kernel
-        torch.cat([stats, stats.new_zeros(()).expand(b, sq, h, cols - width)], dim=-1, out=stat_slab)
-    else:
-        stat_slab.copy_(stats)
+    stat_slab[..., :width].copy_(stats)  # only the statistics: the rest of the slab is never read
     return _written(out, result)
 
 

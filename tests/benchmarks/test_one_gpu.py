@@ -11,7 +11,7 @@ from benchmarks import one_gpu
 
 def test_small_dry_run_measures_and_checks_numerics(tmp_path):
     rc = one_gpu.main(["--device", "cpu", "--small", "--rows", "llama2-2l-bf16-1x1", "--variants",
-                       "eager,spmd,spmd-attn-default", "--rounds", "1", "--reps", "2", "--out", str(tmp_path),
+                       "eager,spmd,spmd-no-merge", "--rounds", "1", "--reps", "2", "--out", str(tmp_path),
                        "--doc", str(tmp_path / "b.md")])
     assert rc == 0
     data = json.loads((tmp_path / "one_gpu_results.json").read_text())
@@ -19,7 +19,7 @@ def test_small_dry_run_measures_and_checks_numerics(tmp_path):
     assert rec["row"] == "llama2-2l-bf16-1x1" and rec["ms"]["spmd"] > 0 and rec["ms"]["eager"] > 0
     # spmd and eager agree with the float64 run to bf16 accuracy
     assert rec["rel_err"]["spmd"] < 2e-2 and rec["rel_err"]["eager"] < 2e-2
-    assert rec["rel_err"]["spmd-attn-default"] < 2e-2 and rec["ms"]["spmd-attn-default"] > 0
+    assert rec["rel_err"]["spmd-no-merge"] < 2e-2 and rec["ms"]["spmd-no-merge"] > 0
     assert rec["flops"] > 0 and rec["floor_ms"] > 0
     assert "one GPU vs torch.compile" in (tmp_path / "b.md").read_text()
 
