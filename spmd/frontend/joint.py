@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from spmd.frontend.aten_common import ATEN_OPS, UnsupportedOpError
 from spmd.frontend.emitter import Emitter, dtype_of
-from spmd.frontend.joint_attention import fused_sdpa, use_fused
+from spmd.frontend.joint_attention import fused_sdpa, repeat_heads, use_fused
 from spmd.ir.hlo import Computation, Module, Shape, SourceLocation
 
 __all__ = ["GradDetector", "NeedsJoint", "import_joint", "trace_joint"]
@@ -99,12 +99,13 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     """``F.scaled_dot_product_attention`` as PyTorch documents it (softmax(q kᵀ · scale + bias) v).
 
     Shapes: query ``[..., L, E]``, key ``[..., S, E]``, value ``[..., S, Ev]`` -> ``[..., L, Ev]``.
-    Raises NotImplementedError for ``dropout_p > 0`` and ``enable_gqa``.
+    ``enable_gqa`` repeats the key / value heads per query-head group first.
+    Raises NotImplementedError for ``dropout_p > 0``.
     """
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention with dropout_p > 0")
-    if enable_gqa:
-        raise NotImplementedError("scaled_dot_product_attention with enable_gqa=True")
+    if enable_gqa and min(query.dim(), key.dim(), value.dim()) >= 3:
+        key, value = repeat_heads(key, query.shape[-3]), repeat_heads(value, query.shape[-3])
     n_q, n_k = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
