@@ -342,7 +342,9 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1):
         raise ValueError(f"max_seq: expected an int >= 1 or None, got {max_seq!r}")
+    if max_seq is not None and max_seq < prefill_len + max_new_tokens - 1:
+        raise ValueError(f"max_seq: the longest prompt ({prefill_len} tokens) and {max_new_tokens} new tokens need "
+                         f"{prefill_len + max_new_tokens - 1} cache positions, got max_seq={max_seq}")
     max_seq = prefill_len + max_new_tokens - 1 if max_seq is None else max_seq
-    gen = Generator(model, mesh, max_batch=len(prompts), max_seq=max_seq, prefill_len=min(prefill_len, max_seq),
-                    options=options)
+    gen = Generator(model, mesh, max_batch=len(prompts), max_seq=max_seq, prefill_len=prefill_len, options=options)
     return gen.generate(prompts, max_new_tokens, sampling)

@@ -155,6 +155,8 @@ def bad_input_gen(model):
     ([1, 2, 3], {}, r"prompts\[0\]: expected a sequence"),
     ([torch.tensor(3)], {}, r"prompts\[0\]: expected a 1-d tensor"),
     ([[1, 2]], {"max_seq": "8"}, "max_seq"),
+    ([[1, 2, 3], [4]], {"max_seq": 2}, r"max_seq: the longest prompt \(3 tokens\) and 4 new tokens need 6 cache "),
+    ([[1, 2]], {"max_seq": 4}, r"max_seq: .* need 5 cache positions, got max_seq=4"),
 ])
 def test_one_shot_generate_rejects_bad_arguments(model, prompts, kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
