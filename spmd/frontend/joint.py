@@ -25,6 +25,7 @@ stops the export at the first gradient request (``requires_grad_``, ``autograd.g
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import traceback
@@ -133,7 +134,25 @@ class _JointMode(TorchFunctionMode):
             if use_fused(*args, **(kwargs or {})):
                 return fused_sdpa(*args, **(kwargs or {}))
             return _sdpa_math(*args, **(kwargs or {}))
+        if func is torch.nn.functional.multi_head_attention_forward:
+            return _mha_with_weights(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+def _mha_with_weights(func, args, kwargs):
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) with ``need_weights=True``.
+
+    Torch calls made inside a function this mode handles are not seen by the mode, so the SDPA that
+    ``need_weights=False`` calls would reach ATen's own fused kernel, whose backward has no
+    conversion. With ``need_weights=True`` PyTorch writes the attention out (bmm, softmax, bmm);
+    the output is the same and the unused weights are dead code. Returns (output, None) then.
+    """
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    if bound.arguments["need_weights"]:
+        return func(*args, **kwargs)
+    bound.arguments["need_weights"] = True
+    return func(*bound.args, **bound.kwargs)[0], None
 
 
 def _decompositions() -> dict:

@@ -162,3 +162,26 @@ def test_captured_tensors_are_constants_of_the_joint_program(fused, how):
                    options=spmd.CompileOptions(fused_attention_grad=fused))(q)
     for a, e in zip(got, f(q), strict=True):
         torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("masks", [False, True])
+def test_multihead_attention_without_weights_gradients(masks):
+    """nn.MultiheadAttention(need_weights=False) calls SDPA from inside F.multi_head_attention_forward,
+    out of the trace's view: its ATen fused kernel's backward had no conversion (UnsupportedOpError)."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).double()
+    x, memory = torch.randn(4, 6, 16, dtype=torch.float64), torch.randn(4, 7, 16, dtype=torch.float64)
+    pad = torch.rand(4, 7) > 0.7
+    pad[:, 0] = False
+
+    def f(x, memory, pad):
+        def loss(x):
+            kw = {"key_padding_mask": pad, "attn_mask": torch.eye(6, 7, dtype=torch.bool)} if masks else {}
+            out, weights = mha(x, memory, memory, need_weights=False, **kw)
+            assert weights is None
+            return out.sin().sum()
+        return torch.func.grad_and_value(loss)(x)
+
+    got = spmd.jit(f, mesh=Mesh.create(("dp",), devices="cpu:2"), in_shardings=(P("dp"),) * 3)(x, memory, pad)
+    for a, e in zip(got, f(x, memory, pad), strict=True):
+        torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-12)
