@@ -245,7 +245,8 @@ def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
         return import_program(flat_fn, tuple(examples), name=_module_name(jitted.__name__))
     except (UnsupportedOpError, ValueError, TypeError):
         raise
-    except RuntimeError as e:
+    except (RuntimeError, ArithmeticError) as e:  # ArithmeticError: e.g. a decomposition dividing by a
+        # zero numel (mse_loss's backward on an empty batch)
         shapes = [f"args{paths[i]}: {tuple(x.shape)}" for i, x in zip(tensor_idx, examples)]
         if len(shapes) > 2 * _SHAPES_SHOWN:  # a train step of a real model has hundreds of leaves: the first
             # ones (usually weights) and the last ones (usually the batch) are kept

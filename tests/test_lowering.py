@@ -59,3 +59,14 @@ def test_a_shape_error_quotes_the_first_and_last_argument_shapes_of_many():
                                          r"args\[0\]\['w96'\].*args\[2\]: \(5, 4\)\)$") as info:
         f(params, torch.randn(4, 4), torch.randn(5, 4))
     assert "'w6'" not in str(info.value) and len(str(info.value)) < 600
+
+
+def test_an_arithmetic_error_while_tracing_is_a_value_error():
+    """torch's decomposition of mse_loss's backward divides by the numel: an empty batch raised a bare
+    ZeroDivisionError from inside PyTorch."""
+    mesh = spmd.Mesh.create({"dp": 2}, devices="cpu:2")
+    f = spmd.jit(lambda w, x: torch.func.grad(lambda w: torch.nn.functional.mse_loss(x @ w, x))(w), mesh=mesh,
+                 in_shardings=(P(), P("dp")))
+    with pytest.raises(ValueError, match=r"tracing failed: float division by zero \(argument shapes args\[0\]: "
+                                         r"\(3, 3\), args\[1\]: \(0, 3\)\)"):
+        f(torch.randn(3, 3), torch.randn(0, 3))

@@ -97,13 +97,27 @@ def _native_layer_norm(em: Emitter, a: dict, val) -> tuple:
     return (_layer_norm_call(em, a), em.reshape(mean, out_dims(val[1])), em.reshape(rstd, out_dims(val[2])))
 
 
+def _repeat_heads(em: Emitter, t: Instruction, n_heads: int) -> Instruction:
+    """k or v ``[..., Hkv, S, E]`` with each head repeated ``n_heads / Hkv`` times (``enable_gqa=True``:
+    query head h reads kv head ``h // (n_heads / Hkv)``, PyTorch's ``repeat_interleave`` on dim -3)."""
+    dims = t.shape.dims
+    h, r = dims[-3], len(dims)
+    if h == n_heads or h == 0 or n_heads % h:
+        return t  # PyTorch has checked the head counts already
+    wide = em.broadcast(t, (*dims[:-2], n_heads // h, *dims[-2:]), (*range(r - 2), r - 1, r))
+    return em.reshape(wide, (*dims[:-3], n_heads, *dims[-2:]))
+
+
 @register(aten.scaled_dot_product_attention.default)
 def _sdpa(em: Emitter, a: dict, val) -> Instruction:
     if a["dropout_p"]:
         raise NotImplementedError("scaled_dot_product_attention with dropout_p > 0")
-    if a["enable_gqa"]:
-        raise NotImplementedError("scaled_dot_product_attention with enable_gqa=True")
     q, k, v = a["query"], a["key"], a["value"]
+    if a["enable_gqa"] and min(q.shape.rank, k.shape.rank, v.shape.rank) >= 3:
+        k, v = _repeat_heads(em, k, q.shape.dims[-3]), _repeat_heads(em, v, q.shape.dims[-3])
+    # leading (batch, head) dims broadcast as in PyTorch: the attention custom call takes equal ones
+    lead = tuple(out_dims(val)[:-2])
+    q, k, v = (em.broadcast_to(t, lead + t.shape.dims[-2:]) for t in (q, k, v))
     ops = [q, k, v]
     mask = a["attn_mask"]
     if mask is not None:

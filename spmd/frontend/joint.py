@@ -25,6 +25,7 @@ stops the export at the first gradient request (``requires_grad_``, ``autograd.g
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import traceback
@@ -38,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from spmd.frontend.aten_common import ATEN_OPS, UnsupportedOpError
 from spmd.frontend.emitter import Emitter, dtype_of
-from spmd.frontend.joint_attention import fused_sdpa, use_fused
+from spmd.frontend.joint_attention import fused_sdpa, repeat_heads, use_fused
 from spmd.ir.hlo import Computation, Module, Shape, SourceLocation
 
 __all__ = ["GradDetector", "NeedsJoint", "import_joint", "trace_joint"]
@@ -99,12 +100,13 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     """``F.scaled_dot_product_attention`` as PyTorch documents it (softmax(q kᵀ · scale + bias) v).
 
     Shapes: query ``[..., L, E]``, key ``[..., S, E]``, value ``[..., S, Ev]`` -> ``[..., L, Ev]``.
-    Raises NotImplementedError for ``dropout_p > 0`` and ``enable_gqa``.
+    ``enable_gqa`` repeats the key / value heads per query-head group first.
+    Raises NotImplementedError for ``dropout_p > 0``.
     """
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention with dropout_p > 0")
-    if enable_gqa:
-        raise NotImplementedError("scaled_dot_product_attention with enable_gqa=True")
+    if enable_gqa and min(query.dim(), key.dim(), value.dim()) >= 3:
+        key, value = repeat_heads(key, query.shape[-3]), repeat_heads(value, query.shape[-3])
     n_q, n_k = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
@@ -132,7 +134,25 @@ class _JointMode(TorchFunctionMode):
             if use_fused(*args, **(kwargs or {})):
                 return fused_sdpa(*args, **(kwargs or {}))
             return _sdpa_math(*args, **(kwargs or {}))
+        if func is torch.nn.functional.multi_head_attention_forward:
+            return _mha_with_weights(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+def _mha_with_weights(func, args, kwargs):
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) with ``need_weights=True``.
+
+    Torch calls made inside a function this mode handles are not seen by the mode, so the SDPA that
+    ``need_weights=False`` calls would reach ATen's own fused kernel, whose backward has no
+    conversion. With ``need_weights=True`` PyTorch writes the attention out (bmm, softmax, bmm);
+    the output is the same and the unused weights are dead code. Returns (output, None) then.
+    """
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    if bound.arguments["need_weights"]:
+        return func(*args, **kwargs)
+    bound.arguments["need_weights"] = True
+    return func(*bound.args, **bound.kwargs)[0], None
 
 
 def _decompositions() -> dict:
@@ -143,7 +163,10 @@ def _decompositions() -> dict:
 
 
 def _make_fx(fn, **kwargs):
-    return make_fx(fn, tracing_mode="fake", **kwargs)
+    # Tensors the function captures (a closure's tensor, a module buffer that functional_call
+    # does not replace) are real tensors among the fake ones: the fake mode converts them and the
+    # tracer records them as constants of the graph (get_attr nodes), as torch.export lifts them.
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, **kwargs)
 
 
 def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:

@@ -33,7 +33,7 @@ from spmd.frontend.emitter import Emitter
 from spmd.ir.custom_calls_attention import attention_backward, attention_forward, backward_dims, forward_dims, seq_major
 from spmd.ir.hlo import Instruction, Shape
 
-__all__ = ["FUSED_ATTENTION_GRAD", "fused_sdpa", "use_fused"]
+__all__ = ["FUSED_ATTENTION_GRAD", "fused_sdpa", "repeat_heads", "use_fused"]
 
 FUSED_ATTENTION_GRAD: contextvars.ContextVar = contextvars.ContextVar("spmd_fused_attention_grad", default=True)
 
@@ -128,7 +128,7 @@ class _FusedAttentionBackward(torch.autograd.Function):
             "spmd.CompileOptions(fused_attention_grad=False) to differentiate its math definition")
 
 
-def _repeat_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+def repeat_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
     """k or v ``[..., Hkv, S, E]`` with each head repeated ``n_heads / Hkv`` times (GQA, as
     ``enable_gqa=True`` defines it: query head h reads kv head ``h // (n_heads / Hkv)``)."""
     h = t.shape[-3]
@@ -179,7 +179,7 @@ def fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     With ``enable_gqa`` the key / value heads are repeated to the query's head count first (their
     gradients are summed back over each group by autograd)."""
     if enable_gqa:
-        key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
+        key, value = repeat_heads(key, query.shape[-3]), repeat_heads(value, query.shape[-3])
     scale = None if scale is None else float(scale)
     return _FusedAttention.apply(query, key, value, attn_mask, bool(is_causal), scale)[0]
 

@@ -19,6 +19,7 @@ the end, or every ``stream_every`` steps.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -205,8 +206,10 @@ class Generator:
             ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
             if not ids:
                 raise ValueError(f"prompts[{i}]: empty prompt; expected at least one token")
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise TypeError(f"prompts[{i}]: expected int token ids")
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+            if bad is not None:
+                raise TypeError(f"prompts[{i}]: expected int token ids, got {type(bad).__name__} {bad!r}")
+            ids = [int(t) for t in ids]  # numpy integers as Python ints
             if len(ids) > self.prefill_len:
                 raise ValueError(f"prompts[{i}]: {len(ids)} tokens exceed prefill_len ({self.prefill_len}, "
                                  f"max_seq {self.max_seq})")
@@ -242,7 +245,7 @@ class Generator:
         """Generate ``max_new_tokens`` tokens for each prompt.
 
         Args:
-          prompts: list of token-id sequences (lists of ints or 1-d int tensors), each 1 ..
+          prompts: list of token-id sequences (lists of ints, numpy ints included, or 1-d int tensors), each 1 ..
             ``prefill_len`` tokens, at most ``max_batch`` of them; or an int tensor [B, S].
           max_new_tokens: int >= 1; ``prefill_len + max_new_tokens - 1 <= max_seq``.
           sampling: a ``Sampling`` (default greedy).
@@ -339,7 +342,9 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1):
         raise ValueError(f"max_seq: expected an int >= 1 or None, got {max_seq!r}")
+    if max_seq is not None and max_seq < prefill_len + max_new_tokens - 1:
+        raise ValueError(f"max_seq: the longest prompt ({prefill_len} tokens) and {max_new_tokens} new tokens need "
+                         f"{prefill_len + max_new_tokens - 1} cache positions, got max_seq={max_seq}")
     max_seq = prefill_len + max_new_tokens - 1 if max_seq is None else max_seq
-    gen = Generator(model, mesh, max_batch=len(prompts), max_seq=max_seq, prefill_len=min(prefill_len, max_seq),
-                    options=options)
+    gen = Generator(model, mesh, max_batch=len(prompts), max_seq=max_seq, prefill_len=prefill_len, options=options)
     return gen.generate(prompts, max_new_tokens, sampling)

@@ -25,6 +25,7 @@ import torch
 
 RNG_MODULUS = 2**31 - 1
 RNG_MULTIPLIER = 48271
+_MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # logits are divided in float32
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,14 @@ class Sampling:
 
     Fields:
       temperature: None for greedy (argmax; ties go to the lowest token id), else a float > 0
-        dividing the logits.
+        (at least float32's smallest normal number, ~1.18e-38) dividing the logits.
       top_k: None, or an int >= 1: sample among the k largest logits (needs a temperature).
       top_p: None, or a float in (0, 1]: sample from the nucleus of mass p (needs a temperature).
       seed: int seed of the random state, in [-2^63, 2^64) (``torch.Generator.manual_seed``'s range).
     Raises:
-      ValueError: temperature <= 0 (or not finite), top_k < 1, top_p outside (0, 1], top_k or
-        top_p without a temperature, a seed outside [-2^63, 2^64). TypeError: a field of the wrong type.
+      ValueError: a temperature below ~1.18e-38 (0 and negatives included) or not finite, top_k < 1,
+        top_p outside (0, 1], top_k or top_p without a temperature, a seed outside [-2^63, 2^64).
+      TypeError: a field of the wrong type.
     """
 
     temperature: float | None = None
@@ -52,8 +54,9 @@ class Sampling:
         if t is not None:
             if isinstance(t, bool) or not isinstance(t, (int, float)):
                 raise TypeError(f"temperature: expected a float > 0 or None (greedy), got {type(t).__name__}")
-            if not (math.isfinite(t) and t > 0):
-                raise ValueError(f"temperature: expected a finite float > 0 (None means greedy), got {t}")
+            if not (math.isfinite(t) and t >= _MIN_TEMPERATURE):
+                raise ValueError(f"temperature: expected a finite float >= {_MIN_TEMPERATURE:.4g} (float32's smallest "
+                                 f"normal number; None means greedy), got {t}")
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, int):
                 raise TypeError(f"top_k: expected an int >= 1 or None, got {type(k).__name__}")
@@ -107,7 +110,10 @@ def sample(logits: torch.Tensor, rng: torch.Tensor, sampling: Sampling) -> tuple
     rng = (rng * RNG_MULTIPLIER) % RNG_MODULUS
     u = (rng.float() * (1.0 / RNG_MODULUS)).clamp(1e-12, 1.0 - 2.0**-24)  # uniform in (0, 1)
     q = -torch.log(u)  # Exp(1)
-    logits = logits.float() / sampling.temperature
+    logits = logits.float()
+    # shifted so the largest logit is 0: a small temperature sends the others to -inf, never the
+    # largest to inf (inf - inf is NaN in the softmax, and a NaN row samples no valid token)
+    logits = (logits - logits.amax(-1, keepdim=True)) / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
         logits = torch.where(logits < kth, -torch.inf, logits)

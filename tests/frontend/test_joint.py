@@ -131,3 +131,57 @@ def test_gradients_inside_a_module_forward_are_a_clear_error():
 
     with pytest.raises(TypeError, match="gradients taken inside an nn.Module's forward.*functional_call"):
         import_program(GradInForward(), (torch.randn(2, 4),))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("how", ["func", "autograd"])
+def test_captured_tensors_are_constants_of_the_joint_program(fused, how):
+    """Tensors the function closes over (an SDPA mask, a key/value memory, a scale) are real
+    tensors among the traced fake ones: they become constants, in the fused and the math attention."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(5, 7, generator=g) > 0.4
+    mask[:, 0] = True
+    memory = torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64)
+    scale = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64)
+
+    def loss(q):
+        o = F.scaled_dot_product_attention(q, memory, -memory, attn_mask=~mask)
+        return (o * scale).sin().sum()
+
+    def f(q):
+        if how == "func":
+            return torch.func.grad_and_value(loss)(q)
+        with torch.enable_grad():
+            q = q.detach().requires_grad_()
+            value = loss(q)
+            return torch.autograd.grad(value, q)[0], value.detach()
+
+    q = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64)
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    got = spmd.jit(f, mesh=mesh, in_shardings=(P("dp"),),
+                   options=spmd.CompileOptions(fused_attention_grad=fused))(q)
+    for a, e in zip(got, f(q), strict=True):
+        torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("masks", [False, True])
+def test_multihead_attention_without_weights_gradients(masks):
+    """nn.MultiheadAttention(need_weights=False) calls SDPA from inside F.multi_head_attention_forward,
+    out of the trace's view: its ATen fused kernel's backward had no conversion (UnsupportedOpError)."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).double()
+    x, memory = torch.randn(4, 6, 16, dtype=torch.float64), torch.randn(4, 7, 16, dtype=torch.float64)
+    pad = torch.rand(4, 7) > 0.7
+    pad[:, 0] = False
+
+    def f(x, memory, pad):
+        def loss(x):
+            kw = {"key_padding_mask": pad, "attn_mask": torch.eye(6, 7, dtype=torch.bool)} if masks else {}
+            out, weights = mha(x, memory, memory, need_weights=False, **kw)
+            assert weights is None
+            return out.sin().sum()
+        return torch.func.grad_and_value(loss)(x)
+
+    got = spmd.jit(f, mesh=Mesh.create(("dp",), devices="cpu:2"), in_shardings=(P("dp"),) * 3)(x, memory, pad)
+    for a, e in zip(got, f(x, memory, pad), strict=True):
+        torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-12)

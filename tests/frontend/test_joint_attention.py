@@ -130,6 +130,24 @@ def test_enable_gqa_gradients(n):
     _check(f, (q, k, v), Mesh.create(("dp",), devices=f"cpu:{n}"), (P("dp"),) * 3)
 
 
+
+@pytest.mark.parametrize("mask_grad", [False, True])
+def test_enable_gqa_gradients_on_the_math_path(mask_grad):
+    """enable_gqa=True where the fused op does not apply (a mask that needs a gradient, or
+    fused_attention_grad=False): the math definition repeats the kv heads (was NotImplementedError)."""
+    q, k, v, mask = _inputs(mask="float")
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    argnums = (0, 1, 2, 3) if mask_grad else (0, 1, 2)
+
+    def f(q, k, v, mask):
+        def loss(q, k, v, mask):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            return (out * out.flip(-1)).sum()
+        grads, value = torch.func.grad_and_value(loss, argnums=argnums)(q, k, v, mask)
+        return (value, *grads)
+    options = None if mask_grad else CompileOptions(fused_attention_grad=False)
+    _check(f, (q, k, v, mask), Mesh.create(("dp",), devices="cpu:2"), (P("dp"),) * 3 + (P(),), options)
+
 def _second_derivative_fn(sdpa):
     def f(q):
         def inner(q):

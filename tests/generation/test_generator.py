@@ -1,5 +1,6 @@
 """spmd.Generator against the same model in plain PyTorch eager (float32, one device)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,6 +118,8 @@ BAD_CALLS = [
     (dict(sampling="greedy"), TypeError, "sampling"),
     (dict(prompts=[1, 2]), TypeError, r"prompts\[0\]: expected a sequence"),
     (dict(prompts=[torch.tensor(3)]), TypeError, r"prompts\[0\]: expected a 1-d tensor"),
+    (dict(prompts=[[1, 2.0]]), TypeError, r"prompts\[0\]: expected int token ids, got float 2.0"),
+    (dict(prompts=[[np.int64(1)], [np.float32(2)]]), TypeError, r"prompts\[1\]: expected int token ids, got float32"),
     (dict(timing="yes"), TypeError, "timing"),
     (dict(progress=5), TypeError, "progress: expected a callable"),
     (dict(stream_every=1, on_tokens="print"), TypeError, "on_tokens: expected a callable"),
@@ -135,6 +138,12 @@ def test_bad_input_is_a_clear_error_and_leaves_the_cache(bad_input_gen, kwargs, 
     assert gen.generate([[1, 2], [3]], 4).tokens.shape == (2, 4)
 
 
+def test_numpy_integer_token_ids_are_token_ids(bad_input_gen):
+    gen = bad_input_gen
+    want = gen.generate([[1, 2], [3]], 4).tokens
+    assert torch.equal(gen.generate([[np.int64(1), np.int32(2)], [np.uint8(3)]], 4).tokens, want)
+
+
 @pytest.fixture(scope="module")
 def bad_input_gen(model):
     gen = Generator(model, _mesh(("tp",), 2), max_batch=2, max_seq=16, prefill_len=12)
@@ -146,6 +155,8 @@ def bad_input_gen(model):
     ([1, 2, 3], {}, r"prompts\[0\]: expected a sequence"),
     ([torch.tensor(3)], {}, r"prompts\[0\]: expected a 1-d tensor"),
     ([[1, 2]], {"max_seq": "8"}, "max_seq"),
+    ([[1, 2, 3], [4]], {"max_seq": 2}, r"max_seq: the longest prompt \(3 tokens\) and 4 new tokens need 6 cache "),
+    ([[1, 2]], {"max_seq": 4}, r"max_seq: .* need 5 cache positions, got max_seq=4"),
 ])
 def test_one_shot_generate_rejects_bad_arguments(model, prompts, kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):

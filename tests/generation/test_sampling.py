@@ -17,6 +17,7 @@ from spmd.generation.sampling import (
     (dict(temperature=0.0), ValueError, "temperature"),
     (dict(temperature=-1.0), ValueError, "temperature"),
     (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(temperature=1e-45), ValueError, "temperature"),  # 0 in float32: the logits would be divided by 0
     (dict(temperature="hot"), TypeError, "temperature"),
     (dict(temperature=1.0, top_k=0), ValueError, "top_k"),
     (dict(temperature=1.0, top_k=2.5), TypeError, "top_k"),
@@ -84,3 +85,20 @@ def test_compiled_sampler_equals_eager_on_a_vocab_sharded_mesh():
     tokens, state = f(logits, rng)
     ref_tokens, ref_state = sample(logits, rng, s)
     assert torch.equal(tokens.to_torch(), ref_tokens) and torch.equal(state.to_torch(), ref_state)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"top_k": 2}, {"top_p": 0.5}])
+@pytest.mark.parametrize("temperature", [1e-37, 1.2e-38])
+def test_tiny_temperature_samples_the_largest_logit(kwargs, temperature):
+    """logits / temperature overflows float32: the sample is still the argmax (no NaN row, no token id
+    equal to the vocabulary size), compiled on a vocabulary-sharded mesh as in eager."""
+    logits = torch.randn(3, 64) * 4
+    logits[:, 5] = 60.0
+    logits[1, 9] = 61.0
+    rng = initial_rng_state(3, 64, 1)
+    s = Sampling(temperature=temperature, **kwargs)
+    tokens, _ = sample(logits, rng, s)
+    assert tokens.tolist() == [5, 9, 5]
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
+    f = spmd.jit(lambda x, r: sample(x, r, s), mesh=mesh, in_shardings=(spmd.PartitionSpec(None, "tp"),) * 2)
+    assert f(logits, rng)[0].to_torch().tolist() == [5, 9, 5]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from spmd import CompileOptions, Mesh
 from spmd.models.llama import llama_layers
 from spmd.models.plans import llama_plan
-from spmd.train import AdamW, make_train_step
+from spmd.train import SGD, AdamW, make_train_step
 
 STEPS = 20
 SEQ = 8
@@ -113,3 +113,46 @@ def test_fused_step_peak_is_smaller_than_the_math_step():
         peak[fused] = ts.memory_analysis().peak_size_bytes
     scores_bytes = 2 * 4 * 128 * 128 * 4  # one [B, H, S, S] float32 tensor
     assert peak[True] + scores_bytes <= peak[False], peak
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Self-attention whose SDPA mask is a registered buffer (a constant of the step, not a parameter)."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.num_heads = 2
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, 8).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return self.out(o.transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
+def test_mask_buffer_step_matches_eager(mask_dtype):
+    """A module buffer used as the attention mask: float64 losses and parameters equal eager + torch.optim."""
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(6, 6, generator=g) > 0.3 if mask_dtype == torch.bool else torch.randn(6, 6, generator=g).double()
+    if mask_dtype == torch.bool:
+        mask[:, 0] = True
+    torch.manual_seed(0)
+    ref = _MaskedAttention(mask).double()
+    model = _MaskedAttention(mask).double()
+    model.load_state_dict(ref.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ts = make_train_step(model, Mesh.create(("dp",), devices="cpu:2"), None, _loss_fn, optimizer=SGD(lr=0.1))
+    for _ in range(2):
+        b = {"x": torch.randn(4, 6, 16, generator=g, dtype=torch.float64),
+             "y": torch.randn(4, 6, 16, generator=g, dtype=torch.float64)}
+        opt.zero_grad()
+        want = _loss_fn(ref, b)
+        want.backward()
+        opt.step()
+        got = float(ts.step(b)["loss"])  # the loss metric is float32
+        assert abs(got - float(want.detach())) <= 1e-6 * float(want.detach())
+    sd = ts.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(sd[f"param.{name}"], p.detach(), rtol=1e-12, atol=1e-12, msg=name)
