@@ -121,6 +121,26 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
+def _dropout_p(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs) -> float:
+    return dropout_p
+
+
+def _saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are active (``torch.utils.checkpoint(use_reentrant=False)``).
+
+    A checkpoint recomputes its region inside the autograd engine, where this mode does not see
+    SDPA, so the recomputation runs ATen's fused op; the forward must run the same op for the
+    saved and recomputed tensors to match (``spmd.frontend.aten_sdpa_ops`` converts both).
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return False
+    try:
+        return top(True) is not None
+    except TypeError:  # an older signature without the ignore_is_tracing flag
+        return top() is not None
+
+
 class _JointMode(TorchFunctionMode):
     """Traces SDPA as fused ops (else its math) and tags the nodes of each torch call with the caller's stack.
 
@@ -131,6 +151,8 @@ class _JointMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         fx_traceback.set_stack_trace(traceback.format_stack()[:-1])
         if func is torch.nn.functional.scaled_dot_product_attention:
+            if _saved_tensors_hooked() and not _dropout_p(*args, **(kwargs or {})):
+                return func(*args, **(kwargs or {}))
             if use_fused(*args, **(kwargs or {})):
                 return fused_sdpa(*args, **(kwargs or {}))
             return _sdpa_math(*args, **(kwargs or {}))
