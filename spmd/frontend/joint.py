@@ -18,6 +18,9 @@ statistics and its backward (``spmd.frontend.joint_attention``: custom calls ``a
 call (dropout, GQA broadcast, a mask that needs a gradient, ``CompileOptions.fused_attention_grad``
 off) it is traced as its math definition (matmul, softmax, matmul; PyTorch's
 ``_scaled_dot_product_attention_math``) so its backward is plain dots and softmax backward.
+Under saved-tensor hooks (``torch.utils.checkpoint(use_reentrant=False)``) SDPA is left to ATen,
+whose fused op and backward convert (``spmd.frontend.aten_sdpa_ops``): the checkpoint recomputes
+the region where this module's mode does not see it, so the forward must run the same op.
 
 ``GradDetector`` is the switch: a ``TorchFunctionMode`` active while ``torch.export`` traces that
 stops the export at the first gradient request (``requires_grad_``, ``autograd.grad``, ...).
