@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +57,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from spmd import metrics
 from spmd.compile_lock import CAPTURE_LOCK
+from spmd.runtime.kernel_timing import capture_each, cold_replay_us
 
 Tensor = torch.Tensor
 CHOICE_ENV = "SPMD_ATTENTION_CHOICE"
@@ -72,7 +72,6 @@ TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 2e-3, tor
 KEEP_DEFAULT_MARGIN = 0.03  # a candidate must beat PyTorch's own pick by more than 3% to replace it
 MATH_MAX_SCORE_BYTES = 256 * 2**20  # math materialises float32 scores [B, H, Sq, Sk]: not a candidate beyond
 _REFERENCE_MAX_BYTES = 512 * 2**20  # the float32 reference is computed on at most this much of the batch
-_L2_FLUSH_BYTES = 256 * 2**20
 _TIMED_CALLS = 7
 _ENABLED = {
     "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
@@ -365,33 +364,6 @@ def _default_name(q, k, v, mask, is_causal, scale) -> str | None:
 
 def _median_us(calls: list[Callable[[], Tensor]], device: torch.device) -> list[float | None]:
     """Median µs of one call of each of ``calls`` as the runtime runs it (a CUDA graph replay),
-    interleaved, each after a read of a large buffer that evicts the inputs from L2 (a cold L2,
-    as ``kernels_gemv`` times). A call that cannot be captured gets None."""
-    graphs: list[torch.cuda.CUDAGraph | None] = []
-    side = torch.cuda.Stream(device)  # torch.cuda.graph's shared default stream may be another device's
-    caller = torch.cuda.current_stream(device)
-    for call in calls:
-        torch.cuda.synchronize(device)
-        g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
-                call()
-            graphs.append(g)
-        except Exception:  # noqa: BLE001 - a backend that cannot be captured is not a candidate
-            torch.cuda.set_stream(caller)  # a failed capture_end skips torch.cuda.graph's stream restore
-            graphs.append(None)
-    flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
-    total = torch.empty((), dtype=torch.float32, device=device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[list[float]] = [[] for _ in calls]
-    for _ in range(_TIMED_CALLS + 1):
-        for i, g in enumerate(graphs):
-            if g is None:
-                continue
-            torch.sum(flush, dim=0, out=total)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times[i].append(start.elapsed_time(end) * 1e3)
-    return [statistics.median(t[1:]) if g is not None else None for g, t in zip(graphs, times)]
+    interleaved, each with a cold L2, as ``kernels_gemv`` times (``spmd.runtime.kernel_timing``).
+    A call that cannot be captured gets None."""
+    return cold_replay_us(capture_each(calls, device), device, _TIMED_CALLS)

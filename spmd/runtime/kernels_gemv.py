@@ -27,7 +27,6 @@ PyTorch's ``h + F.linear(x, w)``); cuBLAS and Triton round once.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ import torch
 from spmd import metrics
 from spmd.compile_lock import CAPTURE_LOCK
 from spmd.runtime import kernels_fusion as kf
+from spmd.runtime.kernel_timing import capture_each, cold_replay_us
 
 Tensor = torch.Tensor
 MIN_WEIGHT_BYTES = 4 * 2**20
@@ -44,7 +44,6 @@ MAX_ROWS = 16  # rows of x up to which a product counts as skinny (decode batch 
 #: program (256-2000 programs for Llama-2-7B's shapes), 32-64 KiB of weight in flight per program
 SKINNY_CONFIGS = ((16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
                   (64, 256, 8, 3), (32, 256, 4, 6), (32, 512, 8, 3))
-_L2_FLUSH_BYTES = 256 * 2**20
 _TIMED_CALLS = 9
 _OPTIONS = {**kf._INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
 Kernel = Callable[[Tensor, Tensor, Tensor], None]
@@ -203,27 +202,9 @@ DECISIONS: list[Decision] = []  # every choice made in this process, in order (f
 
 
 def _median_us(kernels, x: Tensor, w: Tensor, out: Tensor) -> tuple[float, ...]:
-    """Median µs of one call of each kernel as the runtime runs it (a CUDA graph replay), interleaved,
-    each with a cold L2 (a read of a large buffer before each call evicts ``w`` and leaves no dirty
-    lines to write back)."""
-    graphs = []
+    """Median µs of one call of each kernel as the runtime runs it (a CUDA graph replay),
+    interleaved, each with a cold L2 (``spmd.runtime.kernel_timing``); a kernel that cannot be
+    captured times as infinity (never chosen)."""
     with CAPTURE_LOCK:
-        for kernel in kernels:
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                kernel(x, w, out)
-            graphs.append(g)
-    flush = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device=x.device)
-    total = torch.empty((), dtype=torch.float32, device=x.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times: list[list[float]] = [[] for _ in kernels]
-    for _ in range(_TIMED_CALLS + 1):
-        for k, g in enumerate(graphs):
-            torch.sum(flush, dim=0, out=total)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end) * 1e3)
-    return tuple(statistics.median(t[1:]) for t in times)
+        graphs = capture_each([lambda k=k: k(x, w, out) for k in kernels], x.device)
+    return tuple(float("inf") if t is None else t for t in cold_replay_us(graphs, x.device, _TIMED_CALLS))
