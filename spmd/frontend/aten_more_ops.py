@@ -8,6 +8,9 @@
 - ``flip`` is a rows-form gather along each flipped dim with the constant indices ``n-1, ..., 0``.
 - ``constant_pad_nd`` (``F.pad(mode="constant")``) is XLA ``pad``; negative amounts crop, as in
   PyTorch (a slice after the pad).
+- ``new_empty_strided`` (the autograd engine's buffer for a gradient whose strides differ from
+  its input's, then copied into): zeros, one choice of its unspecified contents; strides are a
+  memory layout, which HLO-lite values do not have.
 """
 
 from __future__ import annotations
@@ -196,3 +199,10 @@ def _isinf(em: Emitter, a: dict, val) -> Instruction:
     if not x.shape.torch_dtype.is_floating_point:
         return em.scalar(False, "pred", x.shape.dims)
     return em.compare(em.unary("abs", x), em.scalar(math.inf, x.shape.dtype, x.shape.dims), "EQ")
+
+
+# --------------------------------------------------------------------------- uninitialised buffers
+@register(aten.new_empty_strided.default)
+def _new_empty_strided(em: Emitter, a: dict, val) -> Instruction:
+    """``x.new_empty_strided(size, stride)``: zeros of ``size`` (its contents are unspecified)."""
+    return em.scalar(0, out_dtype(val), out_dims(val))

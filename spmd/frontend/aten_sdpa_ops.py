@@ -216,14 +216,20 @@ def _as_stat(em: Emitter, lse: Instruction, val) -> Instruction:
 
 
 def _stat_rows(em: Emitter, lse: Instruction, q: Instruction) -> Instruction:
-    """A logsumexp operand as ``[*lead, Sq]`` in the wide dtype (undoing ``_as_stat``)."""
+    """A logsumexp operand (``[*lead, Sq]``, ``[*lead, Sq, 1]`` or ``[*lead, n >= Sq]``, as the ops
+    return it) as ``[*lead, Sq]`` in the wide dtype (undoing ``_as_stat``); NotImplementedError for
+    any other shape (e.g. the probabilities that torch's inference decomposition of the CPU op
+    returns in its place)."""
     lead, sq = q.shape.dims[:-2], q.shape.dims[-2]
-    w = _wide(q.shape.dtype)
-    lse = em.convert(lse, w)
-    if lse.shape.numel == math.prod(lead) * sq:
+    dims, n = lse.shape.dims, len(lead)
+    rest = dims[n:] if dims[:n] == lead else None
+    if rest not in ((sq,), (sq, 1)) and not (rest is not None and len(rest) == 1 and rest[0] >= sq):
+        raise NotImplementedError(f"logsumexp of shape {list(dims)} for a query of shape {list(q.shape.dims)}: "
+                                  f"expected [{', '.join(map(str, (*lead, sq)))}] (or a [..., 1] / padded form)")
+    lse = em.convert(lse, _wide(q.shape.dtype))
+    if rest == (sq, 1):
         return em.reshape(lse, (*lead, sq))
-    flat = em.reshape(lse, (*lead, lse.shape.numel // max(1, math.prod(lead))))
-    return em.slice(flat, [(0, d, 1) for d in (*lead, sq)])
+    return em.slice(lse, [(0, d, 1) for d in (*lead, sq)])
 
 
 def _scale_of(a: dict, q: Instruction) -> float:

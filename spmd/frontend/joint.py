@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from spmd.frontend.aten_common import ATEN_OPS, UnsupportedOpError
 from spmd.frontend.emitter import Emitter, dtype_of
 from spmd.frontend.joint_attention import fused_sdpa, repeat_heads, use_fused
+from spmd.frontend.joint_checkpoint import RANDOM_FUNCS, random_in_checkpoint, saved_tensors_hooked
 from spmd.ir.hlo import Computation, Module, Shape, SourceLocation
 
 __all__ = ["GradDetector", "NeedsJoint", "import_joint", "trace_joint"]
@@ -128,22 +129,6 @@ def _dropout_p(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs
     return dropout_p
 
 
-def _saved_tensors_hooked() -> bool:
-    """Whether saved-tensor hooks are active (``torch.utils.checkpoint(use_reentrant=False)``).
-
-    A checkpoint recomputes its region inside the autograd engine, where this mode does not see
-    SDPA, so the recomputation runs ATen's fused op; the forward must run the same op for the
-    saved and recomputed tensors to match (``spmd.frontend.aten_sdpa_ops`` converts both).
-    """
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return False
-    try:
-        return top(True) is not None
-    except TypeError:  # an older signature without the ignore_is_tracing flag
-        return top() is not None
-
-
 class _JointMode(TorchFunctionMode):
     """Traces SDPA as fused ops (else its math) and tags the nodes of each torch call with the caller's stack.
 
@@ -154,12 +139,16 @@ class _JointMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         fx_traceback.set_stack_trace(traceback.format_stack()[:-1])
         if func is torch.nn.functional.scaled_dot_product_attention:
-            if _saved_tensors_hooked() and not _dropout_p(*args, **(kwargs or {})):
+            if saved_tensors_hooked() and not _dropout_p(*args, **(kwargs or {})):
                 return func(*args, **(kwargs or {}))
             if use_fused(*args, **(kwargs or {})):
                 return fused_sdpa(*args, **(kwargs or {}))
             return _sdpa_math(*args, **(kwargs or {}))
+        if func in RANDOM_FUNCS:
+            random_in_checkpoint(func, args, kwargs or {})
         if func is torch.nn.functional.multi_head_attention_forward:
+            if saved_tensors_hooked():  # as SDPA above: the recomputation runs it unchanged
+                return func(*args, **(kwargs or {}))
             return _mha_with_weights(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
@@ -168,9 +157,10 @@ def _mha_with_weights(func, args, kwargs):
     """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) with ``need_weights=True``.
 
     Torch calls made inside a function this mode handles are not seen by the mode, so the SDPA that
-    ``need_weights=False`` calls would reach ATen's own fused kernel, whose backward has no
-    conversion. With ``need_weights=True`` PyTorch writes the attention out (bmm, softmax, bmm);
-    the output is the same and the unused weights are dead code. Returns (output, None) then.
+    ``need_weights=False`` calls would reach ATen's own fused kernel (``spmd.frontend.aten_sdpa_ops``
+    converts it, but without this mode's choice between the fused ops and the math definition).
+    With ``need_weights=True`` PyTorch writes the attention out (bmm, softmax, bmm); the output is
+    the same and the unused weights are dead code. Returns (output, None) then.
     """
     bound = inspect.signature(func).bind(*args, **kwargs)
     bound.apply_defaults()

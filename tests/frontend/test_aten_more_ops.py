@@ -189,3 +189,17 @@ def test_isnan_isinf_nan_to_num_nansum_equal_eager(dtype, spec):
             assert torch.equal(got, want), (got, want)
         else:  # a sum split over devices rounds differently
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_new_empty_strided_then_copied(n):
+    """``new_empty_strided`` (the autograd engine's buffer for a gradient of other strides) written
+    by a copy: the copied values, whatever the strides."""
+    def f(x):
+        buf = x.new_empty_strided((4, 6), (1, 4))
+        buf.copy_(x * 2 + 1)
+        return buf
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    got = spmd.jit(f, mesh=Mesh.create(("dp",), devices=f"cpu:{n}"), in_shardings=(P("dp"),))(x)
+    torch.testing.assert_close(got.to_torch(), f(x), rtol=0, atol=0)

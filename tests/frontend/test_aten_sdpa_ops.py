@@ -290,3 +290,17 @@ def test_checkpointed_dropout_is_a_clear_error():
         return torch.autograd.grad(cp.checkpoint(attn, q, k, v, use_reentrant=False).sum(), q)
     with pytest.raises(ValueError, match="dropout_p > 0"):
         spmd.jit(f, mesh=Mesh.create(("dp",), devices="cpu:1"))(*_inputs()[:3])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_reentrant_checkpoint_with_backward(n):
+    """use_reentrant=True (PyTorch allows it with Tensor.backward only): the region's forward runs
+    under no_grad, its recomputation and ATen's fused backward inside the engine."""
+    def attn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def f(q, k, v):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        _loss(cp.checkpoint(attn, q, k, v, use_reentrant=True)).backward()
+        return q.grad, k.grad, v.grad
+    _check(f, _inputs(), n, 1e-10)
