@@ -33,6 +33,9 @@ of each row's scaled, masked scores, float32 for 16-bit inputs):
   (q, k, v, out, logsumexp, grad_out): ``P = exp(S - lse)``, ``dV = Pᵀ dO``, ``dP = dO Vᵀ``,
   ``dS = P (dP - rowsum(dO * O))``, ``dQ = dS K · scale``, ``dK = dSᵀ Q · scale``.
 
+With ``CompileOptions(fused_attention_grad=False)`` the output is the math definition too
+(softmax as ``exp(S - lse)``, then a dot with v) and every backward takes the math formulas.
+
 Rng, sequence-length and debug results are placeholders that only these backwards may read.
 Dropout (``dropout_p > 0``), ``return_debug_mask=True``, sliding windows and other extra arguments
 raise UnsupportedOpError (through NotImplementedError) naming the argument. Sharding: the custom
@@ -50,7 +53,7 @@ import torch
 
 from spmd.frontend.aten_common import register
 from spmd.frontend.emitter import Emitter
-from spmd.frontend.joint_attention import _config, _mask_operand, _slab_value
+from spmd.frontend.joint_attention import FUSED_ATTENTION_GRAD, _config, _mask_operand, _slab_value
 from spmd.ir.custom_calls_attention import backward_dims, forward_dims
 from spmd.ir.hlo import Instruction, Shape
 
@@ -251,20 +254,32 @@ def _placeholders(name: str, val, first: int) -> tuple:
     return tuple(rest)
 
 
+def _probs(em: Emitter, s: Instruction, lse_rows: Instruction) -> Instruction:
+    """``exp(s - lse)`` per row (0 where a row's scores are all -inf, whatever its lse)."""
+    return em.unary("exponential", em.binary("subtract", s, _row_bcast(em, _finite_or_zero(em, lse_rows),
+                                                                       s.shape.dims)))
+
+
 def _forward(name: str, em: Emitter, a: dict, val) -> tuple:
     """(out, logsumexp, placeholders...) of one fused forward op; see the module docstring."""
     _check_args(name, a)
     q, k0, v0, mask = a["query"], a["key"], a["value"], _mask_of(a)
     k, v = _repeat_kv(em, q, k0, name), _repeat_kv(em, q, v0, name)
     causal, scale = bool(a.get("is_causal")), a.get("scale")
+    s = _scores(em, q, k, mask, causal, _scale_of(a, q))
+    rows = _logsumexp(em, s, 0.0 if name.endswith("_for_cpu") else math.inf)
+    lse = _as_stat(em, rows, val[1])
+    if not FUSED_ATTENTION_GRAD.get():  # CompileOptions(fused_attention_grad=False): the math definition
+        r = q.shape.rank
+        lead = tuple(range(r - 2))
+        out = em.dot(_probs(em, s, rows), em.convert(v, s.shape.dtype), lead, lead, (r - 1,), (r - 2,))
+        return (em.convert(out, Shape.of(val[0]).dtype), lse, *_placeholders(name, val, 2))
     masks = _mask_operand(em, mask, q, k)
     config = _config(causal, scale, bool(masks))
     dims = forward_dims(q.shape.dims, k.shape.dims, v.shape.dims, q.shape.torch_dtype)
     packed = em.custom_call("attention-forward", [q, k, v, *masks], Shape(q.shape.dtype, dims), config)
     out = _slab_value(em, packed, 0, q.shape.dims[:-2], q.shape.dims[-2], v.shape.dims[-1])
     out = em.convert(out, Shape.of(val[0]).dtype)
-    empty = 0.0 if name.endswith("_for_cpu") else math.inf
-    lse = _as_stat(em, _logsumexp(em, _scores(em, q, k, mask, causal, _scale_of(a, q)), empty), val[1])
     _FORWARDS.setdefault(em, {})[id(lse)] = _Forward(q, k0, v0, mask, tuple(sorted(config.items())), packed, out)
     return (out, lse, *_placeholders(name, val, 2))
 
@@ -286,8 +301,7 @@ def _math_backward(em: Emitter, q, k, v, out, lse, dout, mask, causal: bool, sca
     r = q.shape.rank
     lead = tuple(range(r - 2))
     s = _scores(em, q, k, mask, causal, scale)
-    rows = _finite_or_zero(em, _stat_rows(em, lse, q))
-    p = em.unary("exponential", em.binary("subtract", s, _row_bcast(em, rows, s.shape.dims)))
+    p = _probs(em, s, _stat_rows(em, lse, q))
     do, vw = em.convert(dout, w), em.convert(v, w)
     dv = em.dot(p, do, lead, lead, (r - 2,), (r - 2,))
     dp = em.dot(do, vw, lead, lead, (r - 1,), (r - 1,))

@@ -104,14 +104,20 @@ def _function_fn(function, causal, use_func):
     return f
 
 
-def _check(fn, args, n, tol):
-    """``fn`` compiled on a cpu:n mesh (q, k, v batch-sharded) against eager float64."""
+def _check(fn, args, n, tol, options=None, targets=False):
+    """``fn`` compiled on a cpu:n mesh (q, k, v batch-sharded) against eager float64; with
+    ``targets``, returns the compiled program's custom-call targets."""
     args = tuple(a for a in args if a is not None)
     specs = (P("dp"),) * 3 + (P(),) * (len(args) - 3)
-    got = spmd.jit(fn, mesh=Mesh.create(("dp",), devices=f"cpu:{n}"), in_shardings=specs)(*(a.clone() for a in args))
+    jitted = spmd.jit(fn, mesh=Mesh.create(("dp",), devices=f"cpu:{n}"), in_shardings=specs, options=options)
+    got = jitted(*(a.clone() for a in args))
     want = fn(*(a.clone() if a.dtype == torch.bool else a.double() for a in args))
     for i, (a, e) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(a.to_torch().double(), e, rtol=tol, atol=tol, msg=f"gradient {i}")
+    if not targets:
+        return None
+    module = jitted.lower(*args).compile().module
+    return [i.attrs["custom_call_target"] for i in module.entry.instructions if i.opcode == "custom-call"]
 
 
 def _targets(fn, args):
@@ -128,6 +134,14 @@ def test_checkpointed_attention_gradients(n, mask, causal):
     _check(_checkpoint_fn(causal), _inputs(mask=mask), n, 1e-10)
 
 
+@pytest.mark.parametrize("mask,causal", _CASES)
+def test_checkpointed_attention_math_option(mask, causal):
+    """CompileOptions(fused_attention_grad=False): the math definition forward and backward."""
+    targets = _check(_checkpoint_fn(causal), _inputs(b=3, mask=mask), 2, 1e-10,
+                     spmd.CompileOptions(fused_attention_grad=False), targets=True)
+    assert not any(t.startswith("attention") for t in targets), targets
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_checkpointed_attention_uneven_batch(dtype, tol):
     _check(_checkpoint_fn(True), _inputs(b=3, s=7, mask="float", dtype=dtype), 2, tol)
@@ -136,9 +150,15 @@ def test_checkpointed_attention_uneven_batch(dtype, tol):
 def test_checkpointed_attention_uses_the_fused_calls():
     """Forward and recomputation: ``attention-forward`` (equal, merged by cse); backward: one
     ``attention-backward`` on the forward's packed result, no softmax of the math path."""
-    targets = _targets(_checkpoint_fn(True), _inputs(mask="float"))
+    args = _inputs(mask="float")
+    targets = _targets(_checkpoint_fn(True), args)
     assert targets.count("attention-backward") == 1 and "softmax" not in targets, targets
     assert set(targets) == {"attention-forward", "attention-backward"}, targets
+    compiled = spmd.jit(_checkpoint_fn(True), mesh=Mesh.create(("dp",), devices="cpu:2"),
+                        in_shardings=(P("dp"),) * 3 + (P(),)).lower(*args).compile()
+    calls = [i.attrs["custom_call_target"] for i in compiled.module.entry.instructions if i.opcode == "custom-call"]
+    assert sorted(calls) == ["attention-backward", "attention-forward"], calls
+    assert compiled.collectives() == []  # batch-sharded: every device attends over its own rows
 
 
 @pytest.mark.parametrize("function,use_func", [(_Recomputed, False), (_CpuFlash, False), (_CpuFlash, True)])
