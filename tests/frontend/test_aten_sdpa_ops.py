@@ -324,3 +324,19 @@ def test_reentrant_checkpoint_with_backward(n):
         _loss(cp.checkpoint(attn, q, k, v, use_reentrant=True)).backward()
         return q.grad, k.grad, v.grad
     _check(f, _inputs(), n, 1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_checkpointed_attention_close_to_eager(dtype):
+    """16-bit q, k, v: float32 statistics; the gradients' error against float64 is that of eager's
+    own 16-bit kernels (within a factor of 2, plus one 16-bit ulp of the largest gradient)."""
+    args = _inputs(b=2, s=8, d=8, mask="float", dtype=dtype, seed=3)
+    fn = _checkpoint_fn(True)
+    got = spmd.jit(fn, mesh=Mesh.create(("dp",), devices="cpu:2"),
+                   in_shardings=(P("dp"),) * 3 + (P(),))(*(a.clone() for a in args))
+    eager = fn(*(a.clone() for a in args))
+    want = fn(*(a.double() for a in args))
+    for i, (a, e, w) in enumerate(zip(got, eager, want, strict=True)):
+        eager_err = float((e.double() - w).abs().max())
+        ulp = float(w.abs().max()) * torch.finfo(dtype).eps
+        assert float((a.to_torch().double() - w).abs().max()) <= 2 * eager_err + ulp, f"gradient {i}"
