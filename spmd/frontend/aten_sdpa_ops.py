@@ -113,19 +113,25 @@ _KNOWN = frozenset({
 })
 
 
-def _check_args(name: str, a: dict) -> None:
+def _check_args(op, a: dict) -> str:
+    """The op's name; NotImplementedError for dropout, a debug mask, an argument this module does
+    not know at other than its schema default (None / False without one), or non-float q, k, v."""
+    name = op._schema.name.split("::")[-1]
+    defaults = {arg.name: arg.default_value for arg in op._schema.arguments if arg.has_default_value()}
     if a.get("dropout_p"):
         raise NotImplementedError(f"{name}: dropout_p={a['dropout_p']} (only dropout_p=0 is supported inside "
                                   "ATen's fused attention; apply dropout outside it)")
     if a.get("return_debug_mask"):
         raise NotImplementedError(f"{name}: return_debug_mask=True is not supported")
     for key, value in a.items():
-        if key not in _KNOWN and value is not None and value is not False:
+        neutral = value is None or value is False or (key in defaults and value == defaults[key])
+        if key not in _KNOWN and not neutral:
             raise NotImplementedError(f"{name}: argument {key}={value!r} is not supported")
     for key in ("query", "key", "value"):
         t = a.get(key)
         if not isinstance(t, Instruction) or t.shape.rank < 2 or not t.shape.torch_dtype.is_floating_point:
             raise NotImplementedError(f"{name}: expected a floating-point {key} of rank >= 2, got {t!r}")
+    return name
 
 
 def _wide(dtype: str) -> str:
@@ -260,9 +266,9 @@ def _probs(em: Emitter, s: Instruction, lse_rows: Instruction) -> Instruction:
                                                                        s.shape.dims)))
 
 
-def _forward(name: str, em: Emitter, a: dict, val) -> tuple:
+def _forward(op, em: Emitter, a: dict, val) -> tuple:
     """(out, logsumexp, placeholders...) of one fused forward op; see the module docstring."""
-    _check_args(name, a)
+    name = _check_args(op, a)
     q, k0, v0, mask = a["query"], a["key"], a["value"], _mask_of(a)
     k, v = _repeat_kv(em, q, k0, name), _repeat_kv(em, q, v0, name)
     causal, scale = bool(a.get("is_causal")), a.get("scale")
@@ -318,9 +324,9 @@ def _same_forward(fwd: _Forward | None, a: dict, q, k, v, mask, config: dict) ->
             and fwd.out is a["out"] and fwd.config == tuple(sorted(config.items())))
 
 
-def _backward(name: str, em: Emitter, a: dict, val) -> tuple:
+def _backward(op, em: Emitter, a: dict, val) -> tuple:
     """(grad_query, grad_key, grad_value[, grad_attn_bias]) of one fused backward op."""
-    _check_args(name, a)
+    name = _check_args(op, a)
     q, k0, v0, mask = a["query"], a["key"], a["value"], _mask_of(a)
     dout = a.get("grad_out", a.get("grad_out_"))
     out, lse = a["out"], a["logsumexp"]
@@ -357,11 +363,9 @@ def _bias_grad(em: Emitter, ds: Instruction, mask: Instruction, val) -> Instruct
 
 def _register_all() -> None:
     for op in FORWARD_OPS:
-        name = op._schema.name.split("::")[1]
-        register(op)(lambda em, a, val, _n=name: _forward(_n, em, a, val))
+        register(op)(lambda em, a, val, _op=op: _forward(_op, em, a, val))
     for op in BACKWARD_OPS:
-        name = op._schema.name.split("::")[1]
-        register(op)(lambda em, a, val, _n=name: _backward(_n, em, a, val))
+        register(op)(lambda em, a, val, _op=op: _backward(_op, em, a, val))
 
 
 _register_all()

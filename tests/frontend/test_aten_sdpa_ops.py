@@ -294,11 +294,14 @@ def test_fully_masked_rows_match_eager(detour):
         torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-10, msg=f"result {i}")
 
 
-def test_dropout_is_a_clear_error():
-    def f(q, k, v):
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.25, False)[0]
-    with pytest.raises(UnsupportedOpError, match="dropout_p=0.25"):
-        import_program(f, _inputs()[:3])
+@pytest.mark.parametrize("call,match", [
+    (lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.25, False)[0], "dropout_p=0.25"),
+    (lambda q, k, v: aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.5)[0], "dropout_p=0.5"),
+    (lambda q, k, v: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, True)[0], "return_debug_mask"),
+])
+def test_dropout_and_debug_masks_are_clear_errors(call, match):
+    with pytest.raises(UnsupportedOpError, match=match):
+        import_program(call, _inputs()[:3])
 
 
 def test_checkpointed_dropout_is_a_clear_error():
