@@ -62,7 +62,12 @@ RANDOM_FUNCS = frozenset((*_DROPOUTS, *_TORCH_DROPOUTS, *_ALWAYS, F.multi_head_a
 
 
 def _bound(func, args: tuple, kwargs: dict) -> dict:
-    bound = inspect.signature(func).bind(*args, **kwargs)
+    """The call's arguments by name, defaults filled in ({} for a call that does not bind: the
+    function itself then raises PyTorch's own error)."""
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
     bound.apply_defaults()
     return bound.arguments
 
@@ -73,16 +78,16 @@ def _draws(func, args: tuple, kwargs: dict) -> bool:
         return True
     if func in _DROPOUTS:
         a = _bound(func, args, kwargs)
-        return bool(a["training"]) and bool(a["p"])
+        return bool(a.get("training")) and bool(a.get("p"))
     if func in _TORCH_DROPOUTS:  # (input, p, train), builtins
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.0)
         train = args[2] if len(args) > 2 else kwargs.get("train", False)
         return bool(train) and bool(p)
     if func is F.multi_head_attention_forward:
         a = _bound(func, args, kwargs)
-        return bool(a["training"]) and bool(a["dropout_p"])
+        return bool(a.get("training")) and bool(a.get("dropout_p"))
     if func is F.rrelu:
-        return bool(_bound(func, args, kwargs)["training"])
+        return bool(_bound(func, args, kwargs).get("training"))
     return False
 
 
