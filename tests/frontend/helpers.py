@@ -40,3 +40,18 @@ def assert_close_tree(got, want, rtol=1e-5, atol=1e-5):
     for a, b in zip(g, w, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def sdpa_inputs(b: int = 4, h: int = 4, s: int = 6, d: int = 8, mask: str | None = None,
+                dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple:
+    """Seeded q, k, v ``[b, h, s, d]`` of ``dtype`` and the mask: None, a bool ``[b, 1, s, s]`` (every
+    row attends to key 0) or a float ``[s, s]`` (``mask`` = None, "bool" or "float")."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, generator=g).to(dtype) for _ in range(3))
+    if mask == "bool":
+        m = torch.rand(b, 1, s, s, generator=g) > 0.4
+        m[..., 0] = True
+        return q, k, v, m
+    if mask == "float":
+        return q, k, v, torch.randn(s, s, generator=g).to(dtype)
+    return q, k, v, None

@@ -14,20 +14,13 @@ from spmd import Mesh
 from spmd import PartitionSpec as P
 from spmd.frontend.aten_common import UnsupportedOpError
 from spmd.frontend.torch_export import import_program
+from tests.frontend.helpers import sdpa_inputs
 
 aten = torch.ops.aten
 
 
 def _inputs(b=4, h=2, s=6, d=4, mask=None, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, h, s, d, generator=g).to(dtype) for _ in range(3))
-    if mask == "bool":
-        m = torch.rand(b, 1, s, s, generator=g) > 0.4
-        m[..., 0] = True
-        return q, k, v, m
-    if mask == "float":
-        return q, k, v, torch.randn(s, s, generator=g).to(dtype)
-    return q, k, v, None
+    return sdpa_inputs(b, h, s, d, mask, dtype, seed)
 
 
 def _loss(out):

@@ -15,6 +15,7 @@ from spmd import CompileOptions, Mesh
 from spmd import PartitionSpec as P
 from spmd.frontend.joint_attention import FUSED_ATTENTION_GRAD
 from spmd.frontend.torch_export import import_program
+from tests.frontend.helpers import sdpa_inputs
 
 
 def _attention_loss(q, k, v, mask, causal, scale):
@@ -32,15 +33,8 @@ def _grads_fn(causal=False, scale=None):
 
 
 def _inputs(b=4, h=4, s=6, d=8, mask=None, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, h, s, d, generator=g).to(dtype) for _ in range(3))
-    if mask == "bool":
-        m = torch.rand(b, 1, s, s, generator=g) > 0.4
-        m[..., 0] = True
-        return q, k, v, m
-    if mask == "float":
-        return q, k, v, torch.randn(s, s, generator=g).to(dtype)
-    return q, k, v
+    args = sdpa_inputs(b, h, s, d, mask, dtype, seed)
+    return args if mask else args[:3]
 
 
 def _check(fn, args, mesh, specs, options=None, tol=1e-5):
