@@ -43,7 +43,12 @@ from torch.utils import _pytree as pytree
 from spmd.frontend.aten_common import ATEN_OPS, UnsupportedOpError
 from spmd.frontend.emitter import Emitter, dtype_of
 from spmd.frontend.joint_attention import fused_sdpa, repeat_heads, use_fused
-from spmd.frontend.joint_checkpoint import RANDOM_FUNCS, random_in_checkpoint, saved_tensors_hooked
+from spmd.frontend.joint_checkpoint import (
+    RANDOM_FUNCS,
+    random_in_checkpoint,
+    reentrant_checkpoints,
+    saved_tensors_hooked,
+)
 from spmd.ir.hlo import Computation, Module, Shape, SourceLocation
 
 __all__ = ["GradDetector", "NeedsJoint", "import_joint", "trace_joint"]
@@ -191,7 +196,7 @@ def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:
     """
     # The program's gradients do not depend on the caller's grad mode (a jitted step called under
     # torch.no_grad() still trains); grad-mode changes inside flat_fn are traced as written.
-    with fx_traceback.preserve_node_meta(), _JointMode(), torch.enable_grad():
+    with fx_traceback.preserve_node_meta(), reentrant_checkpoints(), _JointMode(), torch.enable_grad():
         graph = _make_fx(flat_fn)(*examples)
 
     def replay(*xs):

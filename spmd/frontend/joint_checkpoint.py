@@ -13,16 +13,26 @@ The joint importer's torch-function mode does not see that recomputation, so:
   would draw different ones than the forward (PyTorch restores its generator's state for it) and
   the gradients would not belong to the forward. ``CompileOptions(remat=...)`` recomputes random
   values bit for bit instead.
+
+A reentrant checkpoint (``use_reentrant=True``) is ``torch.utils.checkpoint.CheckpointFunction``,
+an autograd.Function whose forward runs the region under ``no_grad`` and whose backward restores
+the RNG state it saved (``preserve_rng_state=True``) and runs the region again. The recomputed
+random ops of a compiled program draw other numbers all the same, so random ops there are the same
+error (``reentrant_checkpoints`` marks the function's forward and backward while the joint trace
+runs). With ``preserve_rng_state=False`` eager's recomputation draws other numbers than its forward
+too; no compiled program can draw eager's numbers, so that is the same error as well.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RANDOM_FUNCS", "random_in_checkpoint", "saved_tensors_hooked"]
+__all__ = ["RANDOM_FUNCS", "random_in_checkpoint", "reentrant_checkpoints", "saved_tensors_hooked"]
 
 
 def _top_hooks():
@@ -41,7 +51,45 @@ def saved_tensors_hooked() -> bool:
     return _top_hooks() is not None
 
 
+#: ``depth``: how many reentrant checkpoint forwards / backwards this thread runs (``reentrant_checkpoints``;
+#: per thread, so an eager checkpoint on another thread during a trace marks nothing here)
+_reentrant = threading.local()
+
+
+def _marked(fn):
+    """``fn`` counting itself in ``_reentrant.depth`` while it runs."""
+    def run(*args, **kwargs):
+        _reentrant.depth = getattr(_reentrant, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _reentrant.depth -= 1
+    return staticmethod(run)
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints():
+    """Marks ``torch.utils.checkpoint.CheckpointFunction``'s forward and backward (the region and
+    its recomputation) for ``random_in_checkpoint`` while the block runs; restores them on exit,
+    errors included. Patches the class for every thread (the marks count per thread); joint traces
+    run one at a time (``spmd.compile_lock``)."""
+    cls = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    if cls is None or not all(isinstance(cls.__dict__.get(n), staticmethod) for n in ("forward", "backward")):
+        yield  # a PyTorch without this class layout: nothing to mark
+        return
+    saved = {name: cls.__dict__[name] for name in ("forward", "backward")}
+    try:
+        for name, fn in saved.items():
+            setattr(cls, name, _marked(fn.__func__))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+
+
 def _in_checkpoint() -> bool:
+    if getattr(_reentrant, "depth", 0):
+        return True
     hooks = _top_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 

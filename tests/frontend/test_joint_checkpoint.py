@@ -103,3 +103,78 @@ def test_attention_under_save_on_cpu(n):
     got = spmd.jit(f, mesh=_mesh(n), in_shardings=(P("dp"),) * 3)(*args)
     for a, e in zip(got, f(*(t.clone() for t in args)), strict=True):
         torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-10)
+
+
+def _reentrant_backward_fn(region, preserve_rng_state=True):
+    def f(x):
+        x = x.requires_grad_()
+        y = cp.checkpoint(region, x, use_reentrant=True, preserve_rng_state=preserve_rng_state)
+        y.sum().backward()
+        return y, x.grad
+    return f
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+@pytest.mark.parametrize("region", [
+    lambda x: F.dropout(x, 0.5, training=True),
+    lambda x: x * torch.rand_like(x),
+    lambda x: torch.sin(x) * torch.bernoulli(torch.full_like(x, 0.5)),
+])
+def test_random_ops_inside_a_reentrant_checkpoint_are_a_clear_error(region, preserve_rng_state):
+    """use_reentrant=True recomputes the region in CheckpointFunction.backward: its random ops
+    would draw a fresh mask there (eager restores the RNG state), so the gradient would not belong
+    to the forward; refused. Without preserve_rng_state eager's own recomputation draws other
+    numbers, which no compiled program reproduces: refused too."""
+    fn = _reentrant_backward_fn(region, preserve_rng_state)
+    with pytest.raises(ValueError, match="inside torch.utils.checkpoint"):
+        spmd.jit(fn, mesh=_mesh(1))(torch.randn(16, dtype=torch.float64))
+
+
+def test_reentrant_checkpoint_is_restored_after_the_error():
+    """The trace's marks on CheckpointFunction are gone afterwards: eager dropout inside a reentrant
+    checkpoint still recomputes the forward's mask (zeros of the output and gradient line up)."""
+    fn = _reentrant_backward_fn(lambda x: F.dropout(x, 0.5, training=True))
+    saved = dict(cp.CheckpointFunction.__dict__)
+    with pytest.raises(ValueError, match="inside torch.utils.checkpoint"):
+        spmd.jit(fn, mesh=_mesh(1))(torch.randn(16, dtype=torch.float64))
+    assert all(cp.CheckpointFunction.__dict__[k] is saved[k] for k in ("forward", "backward"))
+    y, g = fn(torch.randn(64, dtype=torch.float64) + 5)
+    assert bool(((y == 0) == (g == 0)).all()) and 0 < int((y == 0).sum()) < 64
+
+
+@pytest.mark.parametrize("grad", ["autograd.grad", "func.grad"])
+def test_dropout_inside_a_reentrant_checkpoint_with_grad_is_a_clear_error(grad):
+    """PyTorch itself refuses both (reentrant checkpoints support .backward() only): autograd.grad
+    in the recomputation, which the compiled program never reaches (it stops at the dropout in the
+    forward), torch.func.grad before the forward runs (CheckpointFunction has no setup_context),
+    which the compiled program reports as eager does."""
+    def loss(x):
+        return cp.checkpoint(lambda x: F.dropout(x, 0.5, training=True), x, use_reentrant=True).sum()
+
+    def f(x):
+        if grad == "func.grad":
+            return torch.func.grad(loss)(x)
+        return torch.autograd.grad(loss(x.requires_grad_()), x)[0]
+    match = "setup_context" if grad == "func.grad" else "dropout inside torch.utils.checkpoint"
+    with pytest.raises(ValueError, match=match):
+        spmd.jit(f, mesh=_mesh(1))(torch.randn(16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_reentrant_checkpoint_without_random_ops_equals_eager(n):
+    """Inactive dropout and deterministic ops inside a reentrant checkpoint compile, and their
+    gradients (read through .backward()) equal eager's in float64."""
+    w = torch.randn(8, 8, dtype=torch.float64)
+
+    def region(x, w):
+        return F.dropout(torch.tanh(x @ w), 0.5, training=False) * x
+
+    def f(x, w):
+        x, w = x.requires_grad_(), w.requires_grad_()
+        y = cp.checkpoint(region, x, w, use_reentrant=True)
+        (y * y.flip(-1)).sum().backward()
+        return y, x.grad, w.grad
+    x = torch.randn(6, 8, dtype=torch.float64)
+    got = spmd.jit(f, mesh=_mesh(n), in_shardings=(P("dp"), None))(x, w)
+    for i, (a, e) in enumerate(zip(got, f(x.clone(), w.clone()), strict=True)):
+        torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-10, msg=f"output {i}")
