@@ -55,3 +55,19 @@ def sdpa_inputs(b: int = 4, h: int = 4, s: int = 6, d: int = 8, mask: str | None
     if mask == "float":
         return q, k, v, torch.randn(s, s, generator=g).to(dtype)
     return q, k, v, None
+
+
+def checkpointed_attention_grads(causal: bool, loss):
+    """``f(q, k, v[, mask])``: ``torch.autograd.grad`` of ``loss(out)`` over q, k, v, with the
+    attention ``out`` computed inside a non-reentrant ``torch.utils.checkpoint``."""
+    import torch.nn.functional as F
+    import torch.utils.checkpoint as cp
+
+    def attn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+    def f(q, k, v, *mask):
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = cp.checkpoint(attn, q, k, v, mask[0] if mask else None, use_reentrant=False)
+        return torch.autograd.grad(loss(out), (q, k, v))
+    return f

@@ -14,7 +14,7 @@ from spmd import Mesh
 from spmd import PartitionSpec as P
 from spmd.frontend.aten_common import UnsupportedOpError
 from spmd.frontend.torch_export import import_program
-from tests.frontend.helpers import sdpa_inputs
+from tests.frontend.helpers import checkpointed_attention_grads, sdpa_inputs
 
 aten = torch.ops.aten
 
@@ -29,14 +29,7 @@ def _loss(out):
 
 def _checkpoint_fn(causal):
     """torch.autograd.grad of a loss whose attention runs inside a non-reentrant checkpoint."""
-    def attn(q, k, v, mask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-
-    def f(q, k, v, *mask):
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = cp.checkpoint(attn, q, k, v, mask[0] if mask else None, use_reentrant=False)
-        return torch.autograd.grad(_loss(out), (q, k, v))
-    return f
+    return checkpointed_attention_grads(causal, _loss)
 
 
 class _Recomputed(torch.autograd.Function):

@@ -4,25 +4,17 @@ flash, memory-efficient or cuDNN)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint as cp
 
 import spmd
 from spmd import Mesh
 from spmd import PartitionSpec as P
+from tests.frontend.helpers import checkpointed_attention_grads
 
 aten = torch.ops.aten
 
 
 def _checkpoint_fn(causal):
-    def attn(q, k, v, mask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-
-    def f(q, k, v, *mask):
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = cp.checkpoint(attn, q, k, v, mask[0] if mask else None, use_reentrant=False)
-        return torch.autograd.grad((out * out.flip(-1)).sum(), (q, k, v))
-    return f
+    return checkpointed_attention_grads(causal, lambda out: (out * out.flip(-1)).sum())
 
 
 class _CudaEfficient(torch.autograd.Function):
