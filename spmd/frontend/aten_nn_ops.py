@@ -113,6 +113,9 @@ def _sdpa(em: Emitter, a: dict, val) -> Instruction:
     if a["dropout_p"]:
         raise NotImplementedError("scaled_dot_product_attention with dropout_p > 0")
     q, k, v = a["query"], a["key"], a["value"]
+    if k.shape.dims[-2:-1] != v.shape.dims[-2:-1]:
+        raise ValueError("scaled_dot_product_attention: key and value must have the same sequence length "
+                         f"(dim -2), got key {list(k.shape.dims)} and value {list(v.shape.dims)}")
     if a["enable_gqa"] and min(q.shape.rank, k.shape.rank, v.shape.rank) >= 3:
         k, v = _repeat_heads(em, k, q.shape.dims[-3]), _repeat_heads(em, v, q.shape.dims[-3])
     # leading (batch, head) dims broadcast as in PyTorch: the attention custom call takes equal ones

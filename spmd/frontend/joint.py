@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from spmd.frontend.aten_common import ATEN_OPS, UnsupportedOpError
 from spmd.frontend.emitter import Emitter, dtype_of
-from spmd.frontend.joint_attention import fused_sdpa, repeat_heads, use_fused
+from spmd.frontend.joint_attention import check_sdpa_args, fused_sdpa, repeat_heads, use_fused
 from spmd.frontend.joint_checkpoint import (
     RANDOM_FUNCS,
     random_in_checkpoint,
@@ -144,6 +144,7 @@ class _JointMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         fx_traceback.set_stack_trace(traceback.format_stack()[:-1])
         if func is torch.nn.functional.scaled_dot_product_attention:
+            check_sdpa_args(*args, **(kwargs or {}))
             if saved_tensors_hooked() and not _dropout_p(*args, **(kwargs or {})):
                 return func(*args, **(kwargs or {}))
             if use_fused(*args, **(kwargs or {})):

@@ -33,7 +33,7 @@ from spmd.frontend.emitter import Emitter
 from spmd.ir.custom_calls_attention import attention_backward, attention_forward, backward_dims, forward_dims, seq_major
 from spmd.ir.hlo import Instruction, Shape
 
-__all__ = ["FUSED_ATTENTION_GRAD", "fused_sdpa", "repeat_heads", "use_fused"]
+__all__ = ["FUSED_ATTENTION_GRAD", "check_sdpa_args", "fused_sdpa", "repeat_heads", "use_fused"]
 
 FUSED_ATTENTION_GRAD: contextvars.ContextVar = contextvars.ContextVar("spmd_fused_attention_grad", default=True)
 
@@ -143,6 +143,24 @@ def _gqa_ok(query, key, value) -> bool:
         return False
     hq, hk = query.shape[-3], key.shape[-3]
     return hk == value.shape[-3] and hk > 0 and hq % hk == 0
+
+
+def check_sdpa_args(query, key, value, attn_mask=None, *args, **kwargs) -> None:
+    """PyTorch's own argument checks of ``F.scaled_dot_product_attention`` that neither the fused ops
+    nor the math definition would make: key and value of one sequence length (``[..., S, E]`` and
+    ``[..., S, Ev]``), and a mask that is bool, float32 or of the query's dtype (eager refuses an
+    integer or other 16-bit mask; the math definition would add it as a bias).
+
+    Raises ValueError (key / value lengths) or TypeError (mask dtype) naming the argument.
+    """
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (query, key, value)):
+        return
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError("scaled_dot_product_attention: key and value must have the same sequence length "
+                         f"(dim -2), got key {list(key.shape)} and value {list(value.shape)}")
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise TypeError(f"scaled_dot_product_attention: attn_mask must be bool, float32 or the query's dtype "
+                        f"{query.dtype}, got {attn_mask.dtype}")
 
 
 def use_fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -56,3 +56,11 @@ def test_sdpa_broadcast_and_grouped_query_heads(case):
     mesh = Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4")
     got = spmd.jit(fn, mesh=mesh, in_shardings=specs)(*args).to_torch()
     torch.testing.assert_close(got, fn(*args), rtol=1e-12, atol=1e-12)
+
+
+def test_sdpa_key_and_value_of_different_lengths_are_a_clear_error():
+    """Eager's CPU kernel does not check this (it reads past value's end); the converter refuses it."""
+    q, k, v = _r(2, 2, 5, 8), _r(2, 2, 6, 8), _r(2, 2, 7, 8)
+    with pytest.raises(ValueError, match="key and value must have the same sequence length"):
+        spmd.jit(lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+                 mesh=Mesh.create(("dp",), devices="cpu:1"))(q, k, v)

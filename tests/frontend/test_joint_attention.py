@@ -163,3 +163,41 @@ def test_second_derivatives_are_a_clear_error_or_the_math_path():
                    options=CompileOptions(fused_attention_grad=False))(q)
     want = _second_derivative_fn(_math_sdpa)(q.double())
     torch.testing.assert_close(got.to_torch().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _grad_of_query():
+    def f(q, k, v, *m):
+        out = F.scaled_dot_product_attention(q.requires_grad_(), k, v, attn_mask=m[0] if m else None)
+        return out, torch.autograd.grad(out.sum(), q)[0]
+    return f
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64, torch.uint8])
+def test_mask_of_another_dtype_is_refused_like_eager(dtype):
+    """Eager refuses a mask that is not bool, float32 or the query's dtype; the math definition
+    would have added an integer mask as a bias (a value eager never computes)."""
+    q, k, v = sdpa_inputs(2, 2, 6, 8, None, torch.float64, 0)[:3]
+    mask = (torch.rand(6, 6) > 0.5).to(dtype)
+    fn = _grad_of_query()
+    with pytest.raises(RuntimeError, match="attn_mask dtype"):
+        fn(q.clone(), k, v, mask)
+    with pytest.raises(TypeError, match=f"attn_mask must be bool, float32 .* got {dtype}"):
+        spmd.jit(fn, mesh=Mesh.create(("dp",), devices="cpu:1"))(q, k, v, mask)
+
+
+def test_float32_mask_on_float64_query_equals_eager():
+    q, k, v = sdpa_inputs(3, 2, 6, 8, None, torch.float64, 1)[:3]
+    mask = torch.randn(6, 6, dtype=torch.float32)
+    fn = _grad_of_query()
+    got = spmd.jit(fn, mesh=Mesh.create(("dp",), devices="cpu:2"), in_shardings=(P("dp"), P("dp"), P("dp"), P()))(
+        q, k, v, mask)
+    for a, e in zip(got, fn(q.clone(), k, v, mask), strict=True):
+        torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-10)
+
+
+def test_key_and_value_of_different_lengths_are_a_clear_error():
+    """Eager's CPU kernel reads past value's end here; the compiled program refuses it."""
+    q, k = sdpa_inputs(2, 2, 6, 8, None, torch.float64, 0)[:2]
+    v = torch.randn(2, 2, 7, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="key and value must have the same sequence length"):
+        spmd.jit(_grad_of_query(), mesh=Mesh.create(("dp",), devices="cpu:1"))(q, k, v)
