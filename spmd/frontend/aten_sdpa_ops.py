@@ -131,6 +131,10 @@ def _check_args(op, a: dict) -> str:
         t = a.get(key)
         if not isinstance(t, Instruction) or t.shape.rank < 2 or not t.shape.torch_dtype.is_floating_point:
             raise NotImplementedError(f"{name}: expected a floating-point {key} of rank >= 2, got {t!r}")
+    k, v = a["key"].shape.dims, a["value"].shape.dims
+    if k[-2] != v[-2]:  # ATen's CPU kernel does not check this and reads past value's end
+        raise ValueError(f"{name}: key and value must have the same sequence length (dim -2), got key {list(k)} "
+                         f"and value {list(v)}")
     return name
 
 

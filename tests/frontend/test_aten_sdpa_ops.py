@@ -336,3 +336,20 @@ def test_16_bit_checkpointed_attention_close_to_eager(dtype):
         eager_err = float((e.double() - w).abs().max())
         ulp = float(w.abs().max()) * torch.finfo(dtype).eps
         assert float((a.to_torch().double() - w).abs().max()) <= 2 * eager_err + ulp, f"gradient {i}"
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_key_and_value_of_different_lengths_are_a_clear_error(grad):
+    """ATen's CPU flash kernel does not check this (it reads past value's end, eager corrupts the
+    heap); the forward and backward converters refuse it before anything runs."""
+    q, k = _inputs()[:2]
+    v = torch.randn(4, 2, 7, 4, dtype=torch.float64)
+
+    def fn(q, k, v):
+        if grad:
+            q = q.requires_grad_()
+        out = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+        return torch.autograd.grad(out.sum(), q)[0] if grad else out
+
+    with pytest.raises(ValueError, match="key and value must have the same sequence length"):
+        spmd.jit(fn, mesh=Mesh.create(("dp",), devices="cpu:1"))(q, k, v)
