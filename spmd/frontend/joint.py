@@ -45,6 +45,7 @@ from spmd.frontend.emitter import Emitter, dtype_of
 from spmd.frontend.joint_attention import check_sdpa_args, fused_sdpa, repeat_heads, use_fused
 from spmd.frontend.joint_checkpoint import (
     RANDOM_FUNCS,
+    RandomAtenInCheckpoint,
     random_in_checkpoint,
     reentrant_checkpoints,
     saved_tensors_hooked,
@@ -197,8 +198,12 @@ def trace_joint(flat_fn, examples: tuple) -> torch.fx.GraphModule:
     """
     # The program's gradients do not depend on the caller's grad mode (a jitted step called under
     # torch.no_grad() still trains); grad-mode changes inside flat_fn are traced as written.
+    def guarded(*xs):
+        with RandomAtenInCheckpoint():
+            return flat_fn(*xs)
+
     with fx_traceback.preserve_node_meta(), reentrant_checkpoints(), _JointMode(), torch.enable_grad():
-        graph = _make_fx(flat_fn)(*examples)
+        graph = _make_fx(guarded)(*examples)
 
     def replay(*xs):
         with fx_traceback.preserve_node_meta():

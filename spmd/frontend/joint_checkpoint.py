@@ -31,8 +31,10 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RANDOM_FUNCS", "random_in_checkpoint", "reentrant_checkpoints", "saved_tensors_hooked"]
+__all__ = ["RANDOM_FUNCS", "RandomAtenInCheckpoint", "random_in_checkpoint", "reentrant_checkpoints",
+           "saved_tensors_hooked"]
 
 
 def _top_hooks():
@@ -150,3 +152,30 @@ def random_in_checkpoint(func, args: tuple, kwargs: dict) -> None:
         "forward in a compiled program, so the gradients would not match; move it out of the checkpointed region, "
         "or drop the checkpoint and compile with spmd.CompileOptions(remat='selective'), which recomputes random "
         "values bit for bit")
+
+
+def _aten_draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this ATen call draws random numbers: an op tagged ``nondeterministic_seeded`` other than
+    the fused attention ops (their dropout is the converters' error) and a dropout that is off."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()) or "attention" in func.name():
+        return False
+    if func is torch.ops.aten.native_dropout.default:  # (input, p, train)
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.0)
+        train = args[2] if len(args) > 2 else kwargs.get("train")
+        return bool(p) and train is not False
+    return True
+
+
+class RandomAtenInCheckpoint(TorchDispatchMode):
+    """``random_in_checkpoint`` for ATen calls the torch-function check does not see (a direct
+    ``torch.ops.aten.native_dropout`` / ``rand_like`` call inside the region): NotImplementedError
+    when such an op draws random numbers inside a checkpoint."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _aten_draws(func, args, kwargs) and _in_checkpoint():
+            raise NotImplementedError(
+                f"{func.name()} inside torch.utils.checkpoint: its recomputation would draw different random numbers "
+                "than the forward in a compiled program, so the gradients would not match; move it out of the "
+                "checkpointed region")
+        return func(*args, **kwargs)

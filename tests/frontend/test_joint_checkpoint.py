@@ -178,3 +178,21 @@ def test_reentrant_checkpoint_without_random_ops_equals_eager(n):
     got = spmd.jit(f, mesh=_mesh(n), in_shardings=(P("dp"), None))(x, w)
     for i, (a, e) in enumerate(zip(got, f(x.clone(), w.clone()), strict=True)):
         torch.testing.assert_close(a.to_torch(), e, rtol=1e-10, atol=1e-10, msg=f"output {i}")
+
+
+@pytest.mark.parametrize("region", [
+    lambda x: torch.ops.aten.native_dropout(x, 0.5, True)[0],
+    lambda x: x * torch.ops.aten.rand_like(x),
+])
+def test_direct_aten_random_ops_inside_a_checkpoint_are_a_clear_error(region):
+    """ATen calls below the torch-function check: the recomputation drew other numbers (gradients
+    silently differed from the forward's draw)."""
+    with pytest.raises(ValueError, match="inside torch.utils.checkpoint"):
+        spmd.jit(_region_grad_fn(region), mesh=_mesh(1))(torch.randn(16, dtype=torch.float64))
+
+
+def test_direct_aten_dropout_that_is_off_inside_a_checkpoint_compiles():
+    fn = _region_grad_fn(lambda x: torch.ops.aten.native_dropout(x, 0.5, False)[0] * x)
+    x = torch.randn(16, dtype=torch.float64)
+    for a, e in zip(spmd.jit(fn, mesh=_mesh(2))(x), fn(x.clone()), strict=True):
+        torch.testing.assert_close(a.to_torch(), e, rtol=1e-12, atol=1e-12)
