@@ -41,29 +41,65 @@ def _cast_floats(tree, dtype: torch.dtype | None):
     return torch.utils._pytree.tree_map(cast, tree)
 
 
+class _Reparametrized(nn.Module):
+    """``body(module)`` as a module's forward, so that ``torch.func.functional_call`` swaps in the
+    step's parameters around the loss and its backward alike."""
+
+    def __init__(self, module: nn.Module, body) -> None:
+        super().__init__()
+        self.m = module
+        self.body = body
+
+    def forward(self):
+        return self.body(self.m)
+
+
+def _grad_and_value(module: nn.Module, loss_of, params: dict, compute_dtype) -> tuple[dict, torch.Tensor]:
+    """``torch.func.grad_and_value`` of ``loss_of(module_with_params)`` over ``params``, through the
+    autograd engine: ``loss.backward()`` on detached leaves (zeros for parameters the loss does not
+    use), run inside one ``functional_call`` so that a recomputation in the backward
+    (``torch.utils.checkpoint`` inside the module) reads the step's parameters, not the module's
+    own. ``torch.func`` transforms refuse saved-tensor hooks (``use_reentrant=False``) and autograd
+    Functions without ``setup_context`` (``use_reentrant=True``, which also supports ``.backward()``
+    only)."""
+    def body(m):
+        loss = loss_of(m)
+        if loss.requires_grad:
+            loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        swapped = {f"m.{k}": v for k, v in _cast_floats(leaves, compute_dtype).items()}
+        loss = torch.func.functional_call(_Reparametrized(module, body), swapped, ())
+    grads = {k: torch.zeros_like(v) if v.grad is None else v.grad for k, v in leaves.items()}
+    return grads, loss.detach()
+
+
 def grad_step_fn(module: nn.Module, loss_fn, optimizer: Optimizer, max_grad_norm: float | None = None,
                  compute_dtype: torch.dtype | None = None):
     """The pure step ``(params, opt_state, batch) -> (params, opt_state, metrics)`` of ``module``.
 
     ``loss_fn(apply, batch)`` returns a 0-d floating loss; ``apply(*inputs)`` runs the module
-    with ``params`` (``torch.func.functional_call``). Gradients come from
-    ``torch.func.grad_and_value``. ``metrics`` holds ``loss`` (float32; and ``grad_norm``, the
+    with ``params`` (``torch.func.functional_call``). Gradients come from ``Tensor.backward`` on
+    fresh leaves, with the params swapped in for the backward too (``_grad_and_value``), so
+    ``torch.utils.checkpoint`` (either ``use_reentrant``) inside the module trains.
+    ``metrics`` holds ``loss`` (float32; and ``grad_norm``, the
     norm before clipping, when ``max_grad_norm`` is set). With ``compute_dtype`` (mixed
     precision, Micikevicius et al., "Mixed Precision Training", 2018) the forward and backward
     run on copies of the params and of the batch's floating tensors in that dtype; gradients,
     params and optimizer state stay in the params' dtype (float32 master weights).
     """
     def step(params, opt_state, batch):
-        def loss_of(p):
-            p, b = _cast_floats(p, compute_dtype), _cast_floats(batch, compute_dtype)
-            loss = loss_fn(lambda *xs: torch.func.functional_call(module, p, xs), b)
+        def loss_of(m):
+            loss = loss_fn(lambda *xs: m(*xs), _cast_floats(batch, compute_dtype))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
                 got = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
                        if isinstance(loss, torch.Tensor) else type(loss).__name__)
                 raise ValueError(f"loss_fn: expected a 0-d floating-point loss, got {got}")
             return loss
 
-        grads, loss = torch.func.grad_and_value(loss_of)(params)
+        grads, loss = _grad_and_value(module, loss_of, params, compute_dtype)
         metrics = {"loss": loss.to(torch.float32)}
         if max_grad_norm is not None:
             grads, metrics["grad_norm"] = clip_grad_norm(grads, max_grad_norm)
