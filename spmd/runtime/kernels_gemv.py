@@ -62,7 +62,7 @@ def gemv(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> bool:
     fastest kernel for this shape; returns False (nothing written) where cuBLAS should run instead:
     the shape is not a skinny (M ≤ ``MAX_ROWS``) 16-bit product of a large contiguous weight,
     fusions run op by op on this device, or cuBLAS was timed fastest."""
-    if not _eligible(x, w, out):
+    if not eligible(x, w, out):
         return False
     key = (x.device, x.dtype, x.shape[0], w.shape, accumulate, x.stride(), out.stride())
     if key not in _choices:
@@ -76,7 +76,10 @@ def gemv(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> bool:
     return True
 
 
-def _eligible(x: Tensor, w: Tensor, out: Tensor) -> bool:
+def eligible(x: Tensor, w: Tensor, out: Tensor) -> bool:
+    """Whether ``x [M, K] @ w[N, K].T -> out [M, N]`` may run a generated kernel here: CUDA, one
+    16-bit dtype, M ≤ ``MAX_ROWS``, contiguous ``w`` of at least ``MIN_WEIGHT_BYTES``, last dims
+    contiguous, and generated kernels in use (``kernels_fusion.fusion_compiler``)."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype == out.dtype):
         return False
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or out.shape != (x.shape[0], w.shape[0]):
@@ -137,14 +140,16 @@ def _candidates(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> list[tup
     return found
 
 
-def _checked(build: Callable[[], Kernel], x: Tensor, w: Tensor, out: Tensor, want: Tensor) -> Kernel | None:
-    """The built kernel if it compiles, runs and matches ``want`` (cuBLAS's result) within a few
+def checked(build: Callable[[], Callable], run: Callable[[Callable, Tensor], object], out: Tensor,
+            want: Tensor) -> Callable | None:
+    """The built kernel if it compiles, runs (``run(kernel, result)`` writes or accumulates into
+    ``result``, a copy of ``out``) and matches ``want`` (the reference kernel's result) within a few
     16-bit roundings; else None."""
     try:
         kernel = build()
         got = out.clone()
-        kernel(x, w, got)
-        torch.cuda.synchronize(x.device)
+        run(kernel, got)
+        torch.cuda.synchronize(out.device)
     except Exception:  # noqa: BLE001 - any compiler or launch failure drops the candidate
         return None
     scale = want.float().abs().max().item() + 1e-6
@@ -161,13 +166,13 @@ def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> Kernel | Non
         cublas(x, w, want)
         names, kernels = ["cublas"], [cublas]
         for name, build in _candidates(x, w, out, accumulate):
-            kernel = _checked(build, x, w, out, want)
+            kernel = checked(build, lambda k, o: k(x, w, o), out, want)
             if kernel is None:
                 metrics.counter("gemv.fallback").inc()
                 continue
             names.append(name)
             kernels.append(kernel)
-    times = _median_us(tuple(kernels), x, w, out.clone())
+    times = _median_us(tuple(kernels), lambda k, o: k(x, w, o), out.clone())
     best = min(range(len(times)), key=times.__getitem__)
     DECISIONS.append(Decision(tuple(w.shape), x.shape[0], str(x.dtype), accumulate,
                               tuple(zip(names, times, strict=True)), names[best]))
@@ -178,7 +183,8 @@ def _choose(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> Kernel | Non
 @dataclass(frozen=True)
 class Decision:
     """One timed choice: weight ``[N, K]``, rows M, dtype, accumulate, each candidate's median µs
-    (name, µs) and the chosen candidate's name."""
+    (name, µs), the chosen candidate's name, and the prologue the kernels compute on the input
+    ("none", or "rms-norm" / "swiglu" for ``spmd.runtime.kernels_prologue``'s choices)."""
 
     weight_shape: tuple[int, int]
     rows: int
@@ -186,6 +192,7 @@ class Decision:
     accumulate: bool
     times_us: tuple[tuple[str, float], ...]
     chosen: str
+    prologue: str = "none"
 
     def time_us(self, name: str) -> float:
         """The median µs of candidate ``name`` (``nan`` if it was not timed)."""
@@ -194,17 +201,18 @@ class Decision:
     def summary(self) -> str:
         """One report line: shape, the chosen kernel and every candidate's µs."""
         times = ", ".join(f"{n} {t:.1f}" for n, t in self.times_us)
-        return (f"gemv M={self.rows} {self.weight_shape} {self.dtype} accumulate={self.accumulate}: "
+        pro = "" if self.prologue == "none" else f" prologue={self.prologue}"
+        return (f"gemv M={self.rows} {self.weight_shape} {self.dtype} accumulate={self.accumulate}{pro}: "
                 f"{self.chosen} ({times} us)")
 
 
 DECISIONS: list[Decision] = []  # every choice made in this process, in order (for reports)
 
 
-def _median_us(kernels, x: Tensor, w: Tensor, out: Tensor) -> tuple[float, ...]:
-    """Median µs of one call of each kernel as the runtime runs it (a CUDA graph replay),
-    interleaved, each with a cold L2 (``spmd.runtime.kernel_timing``); a kernel that cannot be
-    captured times as infinity (never chosen)."""
+def _median_us(kernels, run: Callable[[Callable, Tensor], object], out: Tensor) -> tuple[float, ...]:
+    """Median µs of one call ``run(kernel, out)`` of each kernel as the runtime runs it (a CUDA
+    graph replay), interleaved, each with a cold L2 (``spmd.runtime.kernel_timing``); a kernel that
+    cannot be captured times as infinity (never chosen)."""
     with CAPTURE_LOCK:
-        graphs = capture_each([lambda k=k: k(x, w, out) for k in kernels], x.device)
-    return tuple(float("inf") if t is None else t for t in cold_replay_us(graphs, x.device, _TIMED_CALLS))
+        graphs = capture_each([lambda k=k: run(k, out) for k in kernels], out.device)
+    return tuple(float("inf") if t is None else t for t in cold_replay_us(graphs, out.device, _TIMED_CALLS))

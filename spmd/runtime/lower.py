@@ -44,6 +44,7 @@ from spmd.passes.folding import is_foldable
 from spmd.passes.select_all_reduce import ALGORITHM_KEY
 from spmd.runtime import aliasing, fusions, multi_output
 from spmd.runtime.donation import plan_donation
+from spmd.runtime.fusions_prologue import fuse_prologues
 from spmd.runtime.stream_joins import attach_releases, stream_joins
 from spmd.runtime.thunks import (
     CollectiveSpec,
@@ -306,6 +307,7 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     view_sources = aliasing.mark_analysis_views(lw, buffers)
     if fuse:  # a buffer that a view aliases is never updated in place by a fusion
         fusions.fuse(lw.ops, outputs, buffers, lw.folded, view_sources)
+        fuse_prologues(lw.ops, outputs, view_sources)
     aliasing.mark_parameter_views(lw, donated)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)

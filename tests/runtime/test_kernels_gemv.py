@@ -46,7 +46,7 @@ def test_a_decision_reports_every_candidate():
 def test_more_rows_than_a_decode_batch_keep_the_blas_kernel(monkeypatch):
     monkeypatch.setattr(kf, "fusion_compiler", lambda device: "inductor")
     x = torch.randn(kg.MAX_ROWS + 1, 2048)
-    assert not kg._eligible(x, torch.randn(2048, 2048), torch.empty(kg.MAX_ROWS + 1, 2048))
+    assert not kg.eligible(x, torch.randn(2048, 2048), torch.empty(kg.MAX_ROWS + 1, 2048))
 
 
 def _exact_check(out, exact, label=""):

@@ -1,0 +1,90 @@
+"""Fusion (d) of the lowering: a skinny 16-bit product takes over the fusion that computes its input.
+
+``%x = fusion(...)`` (an RMS norm or a SwiGLU, ``spmd.runtime.prologue_match``) whose only reader
+is the lhs of
+
+- a ``dot`` ``x[..., K] @ w[N, K].T`` (or ``@ w[K, N]``) of at most ``kernels_gemv.MAX_ROWS`` rows, or
+- the accumulating addmm that ``spmd.runtime.fusions`` made of ``c + dot(x, w)`` (fusion (b)),
+
+becomes one op reading the fusion's operands: ``kernels_prologue.make_prologue_product``, which
+runs the Triton kernel with the prologue where it was timed faster and the fusion's kernel then
+the product otherwise (the same kernels as before, so CPU programs compute exactly what they did).
+A decode step of a Llama layer loses three kernels (two RMS norms, SwiGLU) and the round trips of
+their results, as the hand-fused decode kernels of TensorRT-LLM and gpt-fast's Inductor
+prologue fusion aim for. Runs after ``spmd.runtime.fusions.fuse`` on the same ``Op`` list.
+"""
+
+from __future__ import annotations
+
+from spmd.runtime import kernels_gemv
+from spmd.runtime.prologue_match import match_prologue
+
+_HALF = ("bf16", "f16")
+
+
+def fuse_prologues(ops: list, outputs: set[int], view_sources: set[int] | frozenset[int] = frozenset()) -> None:
+    """Apply fusion (d) to ``ops`` (a list of ``lower.Op``) in place.
+
+    ``outputs``: slots that must stay materialised (program outputs); ``view_sources``: slots a
+    view op reads. A fusion writing either is left alone.
+    """
+    from spmd.runtime.kernels import compile_kernel
+    from spmd.runtime.kernels_prologue import make_prologue_product
+
+    readers: dict[int, list[int]] = {}
+    for k, op in enumerate(ops):
+        for s in op.ins:
+            readers.setdefault(s, []).append(k)
+    producer = {op.out: k for k, op in enumerate(ops)}
+    removed: set[int] = set()
+    for k, op in enumerate(ops):
+        site = _product_site(op)
+        if site is None:
+            continue
+        pos, accumulate, transposed = site
+        slot = op.ins[pos]
+        f = producer.get(slot)
+        if f is None or f in removed or slot in outputs or slot in view_sources or readers.get(slot) != [k]:
+            continue
+        fusion = ops[f]
+        if fusion.fn is not None or fusion.alias_of >= 0 or fusion.stream != op.stream or fusion.extra:
+            continue
+        pro = match_prologue(fusion.inst)
+        if pro is None:
+            continue
+        product_fn = op.fn if accumulate else compile_kernel(op.inst)
+        op.fn = make_prologue_product(pro, compile_kernel(fusion.inst), product_fn, len(fusion.ins), accumulate,
+                                      transposed, fusion.inst.attrs["calls"])
+        rhs = op.ins[pos + 1]
+        op.ins = [op.ins[0], *fusion.ins, rhs] if accumulate else [*fusion.ins, rhs]
+        op.extra["prologue"] = pro.kind
+        removed.add(f)
+    ops[:] = [op for k, op in enumerate(ops) if k not in removed]
+
+
+def _product_site(op) -> tuple[int, bool, bool] | None:
+    """(lhs operand position, accumulate, rhs is ``[N, K]``) of a skinny unbatched 16-bit product
+    ``op`` whose lhs contracts its last dim with a 2-d rhs, or None."""
+    if "spec" in op.extra or "view" in op.extra:
+        return None
+    if "mm" in op.extra and len(op.ins) == 3:  # fusion (b): [c, a, b]
+        batched, transposed = op.extra["mm"]
+        dims = op.inst.shape.dims
+        rows = op.inst.shape.numel // dims[-1] if dims and dims[-1] else 0
+        if batched or op.inst.shape.dtype not in _HALF or not 1 <= rows <= kernels_gemv.MAX_ROWS:
+            return None
+        return 1, True, transposed
+    inst = op.inst
+    if inst.opcode != "dot" or op.fn is not None or inst.attrs.get("lhs_batch_dims"):
+        return None
+    lhs, rhs = inst.operands
+    if rhs.shape.rank != 2 or tuple(inst.attrs["lhs_contracting_dims"]) != (lhs.shape.rank - 1,):
+        return None
+    rc = tuple(inst.attrs["rhs_contracting_dims"])
+    k = lhs.shape.dims[-1] if lhs.shape.rank else 0
+    rows = lhs.shape.numel // k if k else 0
+    if rc not in ((0,), (1,)) or not 1 <= rows <= kernels_gemv.MAX_ROWS or inst.shape.numel == 0:
+        return None
+    if not (inst.shape.dtype == lhs.shape.dtype == rhs.shape.dtype and inst.shape.dtype in _HALF):
+        return None
+    return 0, False, rc == (1,)
