@@ -128,3 +128,45 @@ def test_bfloat16_rounds_where_the_unfused_ops_round():
     want = F.gelu(F.linear(*xs))
     got = f_jit(*xs).to_torch()
     assert (got.float() - want.float()).abs().max().item() <= want.float().abs().max().item() * 2 ** -8
+
+
+class _MLP(torch.nn.Module):
+    """A feed-forward block: ``fc2(gelu(fc1(x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(24, 64), torch.nn.Linear(64, 24)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_parallelized_feed_forward_runs_fc1_and_gelu_as_one_op(dtype, n):
+    """Megatron split (fc1 colwise, fc2 rowwise) on ``n`` devices: fc1's product and the GELU are one
+    op on each device, fc2's product (read by the all-reduce) stays; results equal float64 eager."""
+    from spmd.models.plans import ColwiseParallel, Plan, RowwiseParallel
+
+    torch.manual_seed(n)
+    model = _MLP().to(dtype)
+    plan = Plan((("fc1", ColwiseParallel()), ("fc2", RowwiseParallel())))
+    pm = spmd.parallelize(model, Mesh.create(("tp",), devices=f"cpu:{n}"), plan,
+                          options=spmd.CompileOptions(cuda_graphs=False))
+    g = torch.Generator().manual_seed(10 + n)
+    x = torch.randn(3, 8, 24, generator=g).to(dtype)
+    module = pm.lower(x).result.module
+    program = lower(module, [torch.device("cpu")] * n, list(range(n)), assign_buffers(module), gpu=True)
+    by_name = {i.name: i for i in module.entry.instructions}
+    kinds = [by_name[t.name].opcode for t in program.thunks
+             if isinstance(t, KernelThunk) and t.out not in program.view_slots and t.name in by_name]
+    fused = [t.name for t in program.thunks if isinstance(t, KernelThunk)
+             and t.fn.__qualname__.startswith("make_kernel.")]  # kernels_epilogue's op
+    assert len(fused) == 1 and kinds.count("dot") <= 1, kinds  # fc2 (a dot, or an addmm with its bias)
+    assert find_hazards(program) == []
+    want = _MLP().double()
+    want.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    for seed in (1, 2):
+        x = torch.randn(3, 8, 24, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        with torch.no_grad():
+            _close(pm(x), want(x.double()), dtype)
