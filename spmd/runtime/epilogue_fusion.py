@@ -127,7 +127,8 @@ def _fuse(prod, op, pos: int) -> None:
         attrs = tuple(sorted((k, str(v)) for k, v in inst.attrs.items()))
         epi_key = (inst.opcode, attrs, pos, tuple(str(o.shape) for o in inst.operands))
         act_fn = traced_act = compile_kernel(inst)
-    prod_key = ("mm", prod.extra["mm"]) if "mm" in prod.extra else ("dot", prod.inst.attrs.get("rhs_contracting_dims"))
+    prod_key = (("mm", tuple(prod.extra["mm"])) if "mm" in prod.extra
+                else ("dot", tuple(prod.inst.attrs["rhs_contracting_dims"]), str(prod.inst.shape)))
     n_prod = len(prod.ins)
     work = prod.extra["work"] if "work" in prod.extra else fusions.dot_work(prod.inst)
     op.fn = kernels_epilogue.make_kernel(

@@ -193,3 +193,35 @@ def test_op_by_op_the_fused_op_is_bit_equal_to_the_unfused_pair(monkeypatch, dty
     unfused, unfused_kinds = run(False)
     assert len(fused_kinds) < len(unfused_kinds), (fused_kinds, unfused_kinds)
     assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_traced_pair_is_what_a_generated_candidate_compiles(monkeypatch, dtype, act):
+    """With the choice forced on (CPU stand-in for the CUDA warm-up), the ATen graph the generated
+    candidate would compile holds the product and the activation, computes the pair's bits, and
+    the choice is made once for the operands' layout and reused."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.runtime import kernels_epilogue as ke
+
+    monkeypatch.setattr(ke, "_choices", {})
+    monkeypatch.setattr(ke, "_eligible", lambda ops: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    graphs = []
+
+    def choose(ops, pair, traceable, name):
+        gm = make_fx(lambda *args: traceable(list(args), None))(*ops)
+        targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        assert targets & {"aten.mm.default", "aten.addmm.default"}, targets
+        assert torch.equal(gm(*ops), pair(ops, None))
+        graphs.append(name)
+        return lambda ops: gm(*ops)
+
+    monkeypatch.setattr(ke, "_choose", choose)
+    fn = ACTS[act]
+    f_jit, _ = _jit(lambda x, w, b: fn(F.linear(x, w, b)), 1, (P(), P(), P()), P())
+    for seed in (1, 2):
+        xs = _inputs(dtype, seed=seed, m=(64, 8), k=32, n=1024)  # 2·512·32·1024 flops: past MIN_FLOPS
+        _close(f_jit(*xs), fn(F.linear(*(t.double() for t in xs))), dtype)
+    assert len(graphs) == 1, graphs
