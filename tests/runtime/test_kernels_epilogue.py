@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd
+from spmd import metrics
 from spmd.runtime import fusions
 from spmd.runtime import kernels_epilogue as ke
 from spmd.runtime import kernels_fusion as kf
@@ -67,6 +68,53 @@ def test_cpu_operands_and_small_products_run_the_pair(monkeypatch, flops):
     assert torch.equal(kernel([b, x, w], None), want)
     out = torch.empty(5, 24, dtype=torch.bfloat16)
     assert kernel([b, x, w], out) is out and torch.equal(out, want)
+
+
+def _cpu_stand_ins(monkeypatch, times, broken: bool = False):
+    """CPU stand-ins for the CUDA-only steps of a choice: the traced pair without Inductor as the
+    generated candidate (or one that computes something else), fixed timings, no device sync."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(ke, "_choices", {})
+    monkeypatch.setattr(ke, "_eligible", lambda ops: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(ke, "_median_us", lambda kernels, ops: times)
+
+    def generated(traceable, ops):
+        gm = make_fx(lambda *args: traceable(list(args), None))(*ops)
+        return (lambda ops: gm(*ops) * 2) if broken else (lambda ops: gm(*ops))
+    monkeypatch.setattr(ke, "_inductor", generated)
+
+
+def _cpu_ops(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(24, generator=g).expand(5, 24), torch.randn(5, 16, generator=g),
+            torch.randn(24, 16, generator=g)]
+
+
+@pytest.mark.parametrize("times, chosen", [((5.0, 3.0), "triton-epilogue"), ((3.0, 5.0), "cublas+act")])
+def test_a_choice_keeps_the_faster_candidate_and_is_reused(monkeypatch, times, chosen):
+    _cpu_stand_ins(monkeypatch, times)
+    kernel = ke.make_kernel(_gelu_linear, _gelu_linear, ("cpu", times), 2**30, torch.float32, "linear+gelu")
+    ops = _cpu_ops(2)
+    before, counters = len(ke.DECISIONS), dict(metrics.snapshot()["counters"])
+    for _ in range(2):
+        torch.testing.assert_close(kernel(ops, None), _gelu_linear(ops, None))
+    assert len(ke.DECISIONS) == before + 1
+    d = ke.DECISIONS[-1]
+    assert d.chosen == chosen and d.times_us == (("cublas+act", times[0]), ("triton-epilogue", times[1]))
+    key = "epilogue.generated" if chosen == "triton-epilogue" else "epilogue.pair"
+    assert metrics.snapshot()["counters"][key] == counters.get(key, 0) + 1
+
+
+def test_a_wrong_generated_candidate_is_dropped(monkeypatch):
+    _cpu_stand_ins(monkeypatch, (5.0, 1.0), broken=True)
+    kernel = ke.make_kernel(_gelu_linear, _gelu_linear, ("cpu-broken",), 2**30, torch.float32, "linear+gelu")
+    ops = _cpu_ops(3)
+    assert torch.equal(kernel(ops, None), _gelu_linear(ops, None))
+    d = ke.DECISIONS[-1]
+    assert d.chosen == "cublas+act" and [n for n, _ in d.times_us] == ["cublas+act"]
 
 
 def _inputs(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
