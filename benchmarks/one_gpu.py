@@ -13,10 +13,13 @@ median of round medians, CUDA events): PyTorch ``eager``, ``torch.compile`` (def
 ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), ``spmd`` (``spmd.parallelize`` with
 default options on a one-device mesh) and spmd with single options turned off, to show what
 each is worth. Each row logs the timed attention-backend choices of
-``spmd.runtime.kernels_attention`` for its shapes. (Variants with the same compile options share
-one compiled program through the process-wide compile cache, and with it one CUDA graph: calls
-alternating between two variants' weights would stage every weight into the graph's inputs on
-each call, so every spmd variant here differs in its options.)
+``spmd.runtime.kernels_attention`` for its shapes, and the timed choices of
+``spmd.runtime.kernels_epilogue`` (cuBLAS plus the activation, or one Triton GEMM with the
+activation in its epilogue: each candidate's µs; kept in the JSON record as ``epilogue``).
+(Variants with the same compile options share one compiled program through the process-wide
+compile cache, and with it one CUDA graph: calls alternating between two variants' weights would
+stage every weight into the graph's inputs on each call, so every spmd variant here differs in
+its options.)
 
 Anchors in the same run: the **HBM floor** (bytes of the weights read once per call / the HBM
 bandwidth measured here by a device-to-device copy) and the **compute floor** (the model's
@@ -239,12 +242,15 @@ def run_row(row: Row, args, device, limits: dict[str, dict[str, float]], log: Ca
     inputs = _cast_inputs(inputs32, dtype, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     from spmd.runtime.kernels_attention import DECISIONS
+    from spmd.runtime.kernels_epilogue import DECISIONS as EPILOGUE_DECISIONS
 
-    decided = len(DECISIONS)
+    decided, epilogues = len(DECISIONS), len(EPILOGUE_DECISIONS)
     calls, errors = build_variants(row, module, inputs, device, args)
     rel = check_numerics(calls, ref, errors)
     for d in DECISIONS[decided:]:  # the timed attention backend choice of this row's shapes
         log(f"{row.name}: {d.line()}")
+    for d in EPILOGUE_DECISIONS[epilogues:]:  # cuBLAS + activation or one GEMM with it in the epilogue
+        log(f"{row.name}: {d.summary()}")
     log(f"{row.name}: timing {', '.join(calls)}")
     times = common.interleaved(calls, [device], rounds=args.rounds, reps=args.reps, warmup=2, log=log)
     lim = limits[row.dtype]
@@ -253,7 +259,8 @@ def run_row(row: Row, args, device, limits: dict[str, dict[str, float]], log: Ca
     rec = {"row": row.name, "flops": flops, "weight_bytes": weight_bytes, "hbm_floor_ms": hbm_ms,
            "compute_floor_ms": compute_ms, "floor_ms": max(hbm_ms, compute_ms), "rel_err": rel,
            "errors": errors, "ms": {k: m.median_ms for k, m in times.items()},
-           "round_ms": {k: list(m.round_ms) for k, m in times.items()}}
+           "round_ms": {k: list(m.round_ms) for k, m in times.items()},
+           "epilogue": [d.summary() for d in EPILOGUE_DECISIONS[epilogues:]]}
     for k, m in times.items():
         if m.error:
             errors[k] = m.error

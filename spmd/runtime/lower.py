@@ -20,7 +20,9 @@ each with an execution stream id; async collectives as start/done; WaitForStream
   but run a view kernel (``kernels.compile_view_kernel``): no copy, no arena buffer. Their
   readers read the operand's memory (``Program.shares``), which the buffer assignment keeps
   live until the view's last reader.
-- peephole fusions (``spmd.runtime.fusions``): dot into a dynamic-update-slice, dot + add.
+- peephole fusions (``spmd.runtime.fusions``): dot into a dynamic-update-slice, dot + add; a
+  product and its elementwise reader (``spmd.runtime.epilogue_fusion``); a skinny product and the
+  RMS norm or SwiGLU fusion of its input (``spmd.runtime.fusions_prologue``).
 - on GPU, a record-event / wait-event pair for every cross-stream dependency not already
   implied by an earlier join (vector clocks over streams).
 - slots are dropped after their last reader when only one stream ever touches their memory;
@@ -42,7 +44,7 @@ from spmd.ir.hlo import Computation, Instruction, Module, ancestor_ids
 from spmd.passes.folding import FOLD_MAX_NUMEL as FOLD_MAX_NUMEL  # re-exported: the folding threshold
 from spmd.passes.folding import is_foldable
 from spmd.passes.select_all_reduce import ALGORITHM_KEY
-from spmd.runtime import aliasing, fusions, multi_output
+from spmd.runtime import aliasing, epilogue_fusion, fusions, multi_output
 from spmd.runtime.donation import plan_donation
 from spmd.runtime.fusions_prologue import fuse_prologues
 from spmd.runtime.stream_joins import attach_releases, stream_joins
@@ -308,6 +310,7 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
     if fuse:  # a buffer that a view aliases is never updated in place by a fusion
         fusions.fuse(lw.ops, outputs, buffers, lw.folded, view_sources)
         fuse_prologues(lw.ops, outputs, view_sources)
+        epilogue_fusion.fuse_epilogues(lw.ops, outputs | set(view_sources))
     aliasing.mark_parameter_views(lw, donated)
     host_slots = _host_offset_slots(lw) if gpu else {}
     arena_views, op_buffers = _arena(lw.ops, outputs, buffers)
