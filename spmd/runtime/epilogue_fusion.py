@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation
-from spmd.runtime import fusions, kernels_epilogue
+from spmd.runtime import fusions, kernels_epilogue, kernels_gemv
 
 #: custom calls that are elementwise in their one operand (``spmd.ir.custom_calls``)
 ACTIVATIONS = frozenset({"gelu", "silu"})
@@ -92,14 +92,18 @@ def _pointwise_body(body: Computation) -> bool:
 
 
 def _product(ops, producer, readers, blocked, slot: int, stream: int, k: int) -> int | None:
-    """Index of the unbatched 2-d-weight product (dot or fusion (b)'s addmm) producing ``slot``
-    when ``ops[k]`` is its only reader, on the same stream, and the value is not blocked."""
+    """Index of the unbatched 2-d-weight product (dot or fusion (b)'s addmm) of more than
+    ``kernels_gemv.MAX_ROWS`` rows producing ``slot`` when ``ops[k]`` is its only reader, on the
+    same stream, and the value is not blocked."""
     d = producer.get(slot)
     if d is None or slot in blocked or readers.get(slot) != [k]:
         return None
     op = ops[d]
     if op.stream != stream or op.alias_of >= 0 or "spec" in op.extra:
         return None
+    dims = op.inst.shape.dims
+    if dims and dims[-1] and op.inst.shape.numel // dims[-1] <= kernels_gemv.MAX_ROWS:
+        return None  # a skinny product: its own kernel choice (kernels_gemv / kernels_prologue)
     if "mm" in op.extra:
         return None if op.extra["mm"][0] else d
     if op.inst.opcode != "dot" or op.fn is not None:

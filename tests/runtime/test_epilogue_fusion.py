@@ -113,7 +113,7 @@ def test_a_product_without_bias_and_a_transposed_weight():
 
     f_jit, n = _jit(f, 2, (P("tp", None), P()), P("tp", None))
     g = torch.Generator().manual_seed(6)
-    x, w = torch.randn(10, 24, generator=g), torch.randn(24, 33, generator=g)
+    x, w = torch.randn(40, 24, generator=g), torch.randn(24, 33, generator=g)
     assert _opcodes(f_jit, n, x, w) == ["custom-call"]
     _close(f_jit(x, w), f(x.double(), w.double()), torch.float32)
 
@@ -225,3 +225,12 @@ def test_the_traced_pair_is_what_a_generated_candidate_compiles(monkeypatch, dty
         xs = _inputs(dtype, seed=seed, m=(64, 8), k=32, n=1024)  # 2·512·32·1024 flops: past MIN_FLOPS
         _close(f_jit(*xs), fn(F.linear(*(t.double() for t in xs))), dtype)
     assert len(graphs) == 1, graphs
+
+
+def test_a_skinny_product_keeps_its_own_kernel_choice():
+    """Up to ``kernels_gemv.MAX_ROWS`` rows (a decode step) the product and its activation stay two ops."""
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:1")
+    f_jit = spmd.jit(lambda x, w: torch.relu(x @ w), mesh=mesh, options=spmd.CompileOptions(cuda_graphs=False))
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(16, 24, generator=g), torch.randn(24, 33, generator=g)
+    assert "dot" in _opcodes(f_jit, 1, x, w)
