@@ -57,7 +57,13 @@ done
 declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2)
 # STAGE_WEIGHTS="decode=6,tests=2" overrides the shares of the time budget above.
 IFS=',' read -ra _weights <<< "${STAGE_WEIGHTS:-}"
-for kv in "${_weights[@]}"; do [ -n "$kv" ] && WEIGHT[${kv%%=*}]=${kv#*=}; done
+for kv in "${_weights[@]}"; do
+  [ -z "$kv" ] && continue
+  if ! [[ "${kv#*=}" =~ ^[0-9]+$ ]]; then
+    echo "STAGE_WEIGHTS: expected stage=INTEGER pairs (shell arithmetic has no fractions), got '$kv'" >&2; exit 2
+  fi
+  WEIGHT[${kv%%=*}]=${kv#*=}
+done
 declare -A RESULT=()
 START=$SECONDS
 

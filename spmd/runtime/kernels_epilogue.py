@@ -24,7 +24,11 @@ only when a warm-up (not a capture) can time the candidates: a call inside a cap
 and leaves the choice to the next warm-up. The first choice of a shape compiles and autotunes one
 GEMM (seconds to tens of seconds; Inductor caches the autotuning on disk).
 
-``SPMD_EPILOGUE_CHOICE``: ``auto`` (default) or ``off`` (always the pair).
+``SPMD_EPILOGUE_CHOICE``: ``off`` (default: always the pair) or ``auto`` (time the Triton
+candidate). Off by default because on an H200 (torch 2.11, docs/benchmarks.md 2026-12-02) cuBLAS
+plus the activation kernel won on both MiniLM shapes measured (bf16 16384x384x1536 with GELU:
+73.8 µs against 93.2 for the best autotuned Triton template; float32 1024x384x1536: 42.1 against
+82.7), after 14-50 s of autotuning at the first call.
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ _choices: dict[tuple, Generated | None] = {}
 
 
 def choice_mode() -> str:
-    """``SPMD_EPILOGUE_CHOICE`` (``auto`` when unset); ValueError naming the variable otherwise."""
-    mode = os.environ.get(CHOICE_ENV, "auto") or "auto"
+    """``SPMD_EPILOGUE_CHOICE`` (``off`` when unset); ValueError naming the variable otherwise."""
+    mode = os.environ.get(CHOICE_ENV, "off") or "off"
     if mode not in CHOICES:
         raise ValueError(f"{CHOICE_ENV}: expected one of {CHOICES}, got {mode!r}")
     return mode

@@ -157,7 +157,7 @@ def test_the_fastest_candidate_is_used_and_cached(monkeypatch, fused_fastest):
     is reused by the next call, and a call inside a capture before any decision runs the pair."""
     monkeypatch.setattr(ke, "_choices", {})
     monkeypatch.delenv(kf.COMPILER_ENV, raising=False)
-    monkeypatch.delenv(ke.CHOICE_ENV, raising=False)
+    monkeypatch.setenv(ke.CHOICE_ENV, "auto")
     monkeypatch.setattr(ke, "_median_us", lambda kernels, ops: (2.0, 1.0) if fused_fastest else (1.0, 2.0))
     built = []
     real_inductor = ke._inductor
@@ -183,16 +183,21 @@ def test_the_fastest_candidate_is_used_and_cached(monkeypatch, fused_fastest):
 @gpu
 @needs_cuda
 def test_the_pair_runs_where_fusions_run_op_by_op(monkeypatch):
-    """Outside graph warm-up and capture (``auto``) and with ``SPMD_EPILOGUE_CHOICE=off``: no choice."""
+    """Outside graph warm-up and capture (``auto``), with ``SPMD_EPILOGUE_CHOICE=off`` and by default: no choice."""
     monkeypatch.setattr(ke, "_choices", {})
+    monkeypatch.setenv(ke.CHOICE_ENV, "auto")
     monkeypatch.delenv(kf.COMPILER_ENV, raising=False)
     monkeypatch.setattr(ke, "_choose", _never)
     ops, exact = _inputs(2048, 384, 1536, torch.bfloat16, 4)
     kernel = ke.make_kernel(_gelu_linear, _gelu_linear, ("off",), 2**40, torch.bfloat16, "t")
     _exact_check(kernel(ops, None), exact, torch.bfloat16)
-    monkeypatch.setenv(ke.CHOICE_ENV, "off")
-    with kf.graph_warmup():
-        _exact_check(kernel(ops, None), exact, torch.bfloat16)
+    for default_or_off in (None, "off"):
+        if default_or_off is None:
+            monkeypatch.delenv(ke.CHOICE_ENV)
+        else:
+            monkeypatch.setenv(ke.CHOICE_ENV, default_or_off)
+        with kf.graph_warmup():
+            _exact_check(kernel(ops, None), exact, torch.bfloat16)
 
 
 @gpu
@@ -203,7 +208,7 @@ def test_a_linear_layer_with_gelu_under_cuda_graphs_equals_eager(monkeypatch, dt
     chosen kernel's result (warm-up, capture, replays) equals float64 eager."""
     monkeypatch.setattr(ke, "_choices", {})
     monkeypatch.delenv(kf.COMPILER_ENV, raising=False)
-    monkeypatch.delenv(ke.CHOICE_ENV, raising=False)
+    monkeypatch.setenv(ke.CHOICE_ENV, "auto")
     mesh = spmd.Mesh.create(("tp",), devices="cuda:1")
     g = torch.Generator(device="cuda").manual_seed(5)
     w = (torch.randn(1536, 384, device="cuda", generator=g) / 20).to(dtype)
