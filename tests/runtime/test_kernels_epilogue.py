@@ -133,6 +133,7 @@ def _exact_check(got, exact, dtype, label=""):
 
 
 @gpu
+@pytest.mark.slow  # autotunes Triton GEMM templates: 10-50 s per shape on an H200
 @needs_cuda
 @pytest.mark.parametrize("dtype, m, k, n", [
     (torch.bfloat16, 16384, 384, 1536), (torch.bfloat16, 1000, 384, 1030), (torch.bfloat16, 77, 520, 136),
@@ -150,6 +151,7 @@ def test_generated_candidate_is_within_a_rounding_of_the_exact_value(dtype, m, k
 
 
 @gpu
+@pytest.mark.slow  # autotunes Triton GEMM templates: 10-50 s per shape on an H200
 @needs_cuda
 @pytest.mark.parametrize("fused_fastest", [True, False])
 def test_the_fastest_candidate_is_used_and_cached(monkeypatch, fused_fastest):
@@ -201,6 +203,7 @@ def test_the_pair_runs_where_fusions_run_op_by_op(monkeypatch):
 
 
 @gpu
+@pytest.mark.slow  # autotunes Triton GEMM templates: 10-50 s per shape on an H200
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_a_linear_layer_with_gelu_under_cuda_graphs_equals_eager(monkeypatch, dtype):

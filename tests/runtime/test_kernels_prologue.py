@@ -95,7 +95,7 @@ def _close(out: torch.Tensor, exact: torch.Tensor, label: str = "") -> None:
 @needs_cuda
 @pytest.mark.parametrize("kind", ["rms-norm", "swiglu"])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (8, 1000, 1040), (3, 520, 72), (16, 4096, 1024)])
+@pytest.mark.parametrize("m, k, n", [(1, 4096, 4096), (8, 1000, 1040), (16, 520, 72)])
 def test_every_configuration_is_within_a_rounding_of_the_exact_product(kind, accumulate, m, k, n):
     f_ops, x_in, w, c, pro, _ = _inputs(kind, m, k, n, m * k + n)
     exact = x_in.double() @ w.double().T + (c.double() if accumulate else 0)
