@@ -155,11 +155,13 @@ def test_a_decode_shaped_norm_and_product_under_cuda_graphs_equal_eager(monkeypa
     g = torch.Generator(device="cuda").manual_seed(5)
     w = torch.randn(4096, 4096, device="cuda", generator=g).bfloat16() / 64
     gamma = (torch.rand(4096, device="cuda", generator=g) + 0.5).bfloat16()
-    f = spmd.jit(lambda x, gamma, w: F.linear(_rms_ref(x, gamma), w), mesh=mesh, in_shardings=(P(), P(), P()),
+    # the product is read by another op, as in a decoder layer: it writes into its arena buffer
+    # (a program output has none, and the op-by-op pair computes it)
+    f = spmd.jit(lambda x, gamma, w: F.linear(_rms_ref(x, gamma), w) * 2, mesh=mesh, in_shardings=(P(), P(), P()),
                  out_shardings=P())
     before = len(kg.DECISIONS)
     for _ in range(3):  # warm-up, capture, replay
         x = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
         got = f(x, gamma, w).to_torch()
-        _close(got, _rms_ref(x, gamma).double() @ w.double().T)
+        _close(got, _rms_ref(x, gamma).double() @ w.double().T * 2)
     assert any(d.prologue == "rms-norm" for d in kg.DECISIONS[before:])
