@@ -94,10 +94,12 @@ def _constant(fusion: Instruction, inst: Instruction) -> float | None:
 
 def _rms_norm(fusion: Instruction, gb: Instruction, normed: Instruction) -> Prologue | None:
     k = fusion.shape.dims[-1]
-    gb = _skip(gb, ("reshape", "broadcast"))
-    g = _param(gb)
-    if g is None or gb.shape.dims != (k,) or gb.shape.dtype != fusion.shape.dtype:
+    g_inst = _skip(gb, ("reshape", "broadcast"))
+    g = _param(g_inst)
+    if g is None or g_inst.shape.dims != (k,) or g_inst.shape.dtype != fusion.shape.dtype:
         return None
+    if not _along(_dim_labels(gb, g_inst), fusion.shape.dims, {len(fusion.shape.dims) - 1: 0}):
+        return None  # g [K] must scale the last dim (not broadcast along the rows)
     if normed.opcode != "convert" or normed.shape.dtype != fusion.shape.dtype:
         return None
     prod = normed.operands[0]
@@ -108,8 +110,8 @@ def _rms_norm(fusion: Instruction, gb: Instruction, normed: Instruction) -> Prol
         if x is None or fusion.operands[x].shape.dims[-1] != k:
             continue
         found = _row_scale(fusion, _skip(rb, ("reshape", "broadcast")), x32)
-        if found is not None:
-            eps, divisor = found
+        if found is not None and _rows_kept(rb, found[2], fusion.shape.dims):
+            eps, divisor, _ = found
             return Prologue("rms-norm", x, g, eps=eps, divisor=divisor, width=k)
     return None
 
@@ -122,8 +124,9 @@ def _source(x32: Instruction, dtype: str) -> int | None:
     return _param(x) if x.shape.dtype == dtype else None
 
 
-def _row_scale(fusion: Instruction, r: Instruction, x32: Instruction) -> tuple[float, float] | None:
-    """(eps, divisor) when ``r`` is ``rsqrt(divide(reduce-add(x32 * x32), divisor) + eps)`` over the last dim."""
+def _row_scale(fusion: Instruction, r: Instruction, x32: Instruction) -> tuple[float, float, Instruction] | None:
+    """(eps, divisor, the reduce) when ``r`` is ``rsqrt(divide(reduce-add(x32 * x32), divisor) + eps)``
+    over the last dim."""
     if r.opcode != "rsqrt":
         return None
     add = _skip(r.operands[0])
@@ -145,8 +148,54 @@ def _row_scale(fusion: Instruction, r: Instruction, x32: Instruction) -> tuple[f
             continue
         sq = red.operands[0]
         if sq.opcode == "multiply" and sq.operands[0] is x32 and sq.operands[1] is x32:
-            return eps, divisor
+            return eps, divisor, red
     return None
+
+
+def _rows_kept(rb: Instruction, red: Instruction, dims: tuple[int, ...]) -> bool:
+    """Whether ``rb`` (of ``dims``) holds row ``i``'s value of ``red`` (the reduce over the last dim,
+    of ``dims[:-1]``) at every ``[i..., j]``: its leading dims kept in place, broadcast along the last."""
+    return _along(_dim_labels(rb, red), dims, {d: d for d in range(len(dims) - 1)})
+
+
+def _dim_labels(inst: Instruction, leaf: Instruction) -> tuple[int | None, ...] | None:
+    """For each dim of ``inst``, the dim of ``leaf`` it indexes (None: a broadcast or size-1 dim),
+    where ``inst`` is ``leaf`` through broadcasts, reshapes that only add or drop size-1 dims, and
+    elementwise ops of one shape; None for any other path."""
+    if inst is leaf:
+        return tuple(d if n != 1 else None for d, n in enumerate(inst.shape.dims))
+    if not inst.operands:
+        return None
+    src = _dim_labels(inst.operands[0], leaf) if inst.opcode in ("reshape", "broadcast") else None
+    if inst.opcode == "broadcast" and src is not None:
+        out: list[int | None] = [None] * inst.shape.rank
+        for i, d in enumerate(inst.attrs["dimensions"]):
+            out[d] = src[i] if inst.shape.dims[d] != 1 else None
+        return tuple(out)
+    if inst.opcode == "reshape" and src is not None:
+        before = [(n, lab) for n, lab in zip(inst.operands[0].shape.dims, src, strict=True) if n != 1]
+        after = [d for d, n in enumerate(inst.shape.dims) if n != 1]
+        if [n for n, _ in before] != [inst.shape.dims[d] for d in after]:
+            return None
+        out = [None] * inst.shape.rank
+        for d, (_, lab) in zip(after, before, strict=True):
+            out[d] = lab
+        return tuple(out)
+    if inst.opcode in ("add", "divide", "rsqrt", "multiply", "convert"):
+        for o in inst.operands:
+            if o.shape.dims == inst.shape.dims:
+                found = _dim_labels(o, leaf)
+                if found is not None:
+                    return found
+    return None
+
+
+def _along(labels: tuple[int | None, ...] | None, dims: tuple[int, ...], want: dict[int, int]) -> bool:
+    """Whether ``labels`` (``_dim_labels`` of a value of ``dims``) name, for every dim larger than 1,
+    the source dim ``want[d]`` (None where ``d`` is not in ``want``: broadcast)."""
+    if labels is None:
+        return False
+    return all(n == 1 or labels[d] == want.get(d) for d, n in enumerate(dims))
 
 
 def _swiglu(fusion: Instruction, act: Instruction, up: Instruction) -> Prologue | None:

@@ -136,3 +136,41 @@ def test_float32_fusions_are_not_prologues():
     body = [ln.replace("bf16", "f32") for ln in SWIGLU_BODY]
     f = _fusion(["gu: f32[2,1,96]", "w: f32[64,48]"], body, "f32[2,1,64]")
     assert match_prologue(f) is None
+
+
+SQUARE_RMS_BODY = [
+    "%x32 = f32[8,8] convert(%x)",
+    "%sq = f32[8,8] multiply(%x32, %x32)",
+    "%zero = f32[] constant(0)",
+    "%ssq = f32[8] reduce(%sq, %zero), dimensions={1}, to_apply=%add.f32",
+    "%n = f32[] constant(8)",
+    "%nb = f32[8] broadcast(%n), dimensions={}",
+    "%mean = f32[8] divide(%ssq, %nb)",
+    "%eps = f32[] constant(1e-05)",
+    "%epsb = f32[8] broadcast(%eps), dimensions={}",
+    "%v = f32[8] add(%mean, %epsb)",
+    "%r = f32[8] rsqrt(%v)",
+    "%rb = f32[8,8] broadcast(%r), dimensions={RDIM}",
+    "%h = f32[8,8] multiply(%x32, %rb)",
+    "%h16 = bf16[8,8] convert(%h)",
+    "%gb = bf16[8,8] broadcast(%g), dimensions={GDIM}",
+    "%normed = bf16[8,8] multiply(%gb, %h16)",
+    "ROOT %y = bf16[8,40] dot(%normed, %w), lhs_contracting_dims={1}, rhs_contracting_dims={1}",
+]
+
+
+def _square_rms(rdim: int, gdim: int):
+    body = [ln.replace("RDIM", str(rdim)).replace("GDIM", str(gdim)) for ln in SQUARE_RMS_BODY]
+    return _fusion(["x: bf16[8,8]", "g: bf16[8]", "w: bf16[40,8]"], body, "bf16[8,40]")
+
+
+def test_square_rms_norm_with_the_weight_on_the_columns_and_the_scale_on_the_rows():
+    pro = match_prologue(_square_rms(rdim=0, gdim=1))
+    assert pro is not None and pro.kind == "rms-norm" and pro.divisor == 8.0
+
+
+@pytest.mark.parametrize(("rdim", "gdim"), [(0, 0), (1, 1), (1, 0)])
+def test_weight_or_row_scale_broadcast_along_the_wrong_dim_does_not_match(rdim, gdim):
+    # g[i] * x[i, j] / rms(x[i]) (rows scaled by the weight) or x[i, j] / rms(x[j]): not an RMS norm of
+    # the rows, though the dims agree when rows == K; the prologue kernel computes g[j] * x[i, j] / rms(x[i])
+    assert match_prologue(_square_rms(rdim, gdim)) is None
