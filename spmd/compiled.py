@@ -411,15 +411,19 @@ def _bytes_moved(op: str, operand_bytes: int, n: int) -> int:
 def compile_module(lowered) -> Compiled:
     """Build the executable of a ``Lowered`` program and fix its output shardings.
 
-    Raises ValueError for a bad ``SPMD_FUSION_COMPILER`` or ``SPMD_P2P_ALL_REDUCE_MAX_BYTES``
-    (checked here on every mesh, before any kernel or communicator reads them).
+    Raises ValueError for a bad ``SPMD_FUSION_COMPILER``, ``SPMD_P2P_ALL_REDUCE_MAX_BYTES``,
+    ``SPMD_EPILOGUE_CHOICE`` or ``SPMD_ATTENTION_CHOICE`` (checked here on every mesh, before any
+    kernel or communicator reads them: the kernels read the choices only on CUDA, mid-program).
     """
     from spmd.passes.assign_buffers import assign_buffers
+    from spmd.runtime import kernels_attention, kernels_epilogue
     from spmd.runtime.comm.cuda import p2p_all_reduce_max_bytes
     from spmd.runtime.kernels_fusion import fusion_compiler
 
     fusion_compiler(torch.device("cpu"))
     p2p_all_reduce_max_bytes()
+    kernels_epilogue.choice_mode()
+    kernels_attention.choice_mode()
     from spmd.runtime.executor import Executable
     from spmd.runtime.graphs import maybe_graph
 
