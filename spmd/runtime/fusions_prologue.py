@@ -6,7 +6,8 @@ is the lhs of
 - a ``dot`` ``x[..., K] @ w[N, K].T`` (or ``@ w[K, N]``) of at most ``kernels_gemv.MAX_ROWS`` rows, or
 - the accumulating addmm that ``spmd.runtime.fusions`` made of ``c + dot(x, w)`` (fusion (b)),
 
-becomes one op reading the fusion's operands: ``kernels_prologue.make_prologue_product``, which
+becomes one op reading the fusion's operands (at the product's position: only where no op in
+between may write their memory, ``spmd.runtime.fusion_moves``): ``kernels_prologue.make_prologue_product``, which
 runs the Triton kernel with the prologue where it was timed faster and the fusion's kernel then
 the product otherwise (the same kernels as before, so CPU programs compute exactly what they did).
 A decode step of a Llama layer loses three kernels (two RMS norms, SwiGLU) and the round trips of
@@ -17,6 +18,7 @@ prologue fusion aim for. Runs after ``spmd.runtime.fusions.fuse`` on the same ``
 from __future__ import annotations
 
 from spmd.runtime import kernels_gemv
+from spmd.runtime.fusion_moves import reads_can_move
 from spmd.runtime.prologue_match import match_prologue
 
 _HALF = ("bf16", "f16")
@@ -49,6 +51,8 @@ def fuse_prologues(ops: list, outputs: set[int], view_sources: set[int] | frozen
         fusion = ops[f]
         if fusion.fn is not None or fusion.alias_of >= 0 or fusion.stream != op.stream or fusion.extra:
             continue
+        if not reads_can_move(ops, f, k, fusion.ins):
+            continue  # an op in between may overwrite an operand's memory (arena reuse, in place)
         pro = match_prologue(fusion.inst)
         if pro is None:
             continue

@@ -66,8 +66,8 @@ def _fused(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, c: Tensor
     if accumulate and not (c.data_ptr() == out.data_ptr() and c.stride() == out.stride() and c.shape == out.shape):
         return False
     args = _kernel_args(pro, f_ops, out)
-    if args is None or not out.is_contiguous() or not w.is_contiguous():
-        return False
+    if args is None or not out.is_contiguous() or not w.is_contiguous() or not disjoint(out, [*f_ops, w]):
+        return False  # (the kernel's blocks write ``out`` while others still read its inputs)
     x, g = args
     o = out.view(x.shape[0], w.shape[0])
     if w.dim() != 2 or w.shape[1] != x.shape[1] or not kg.eligible(x, w, o):
@@ -82,6 +82,20 @@ def _fused(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, c: Tensor
         return False
     kernel(f_ops, w, out)
     return True
+
+
+def disjoint(out: Tensor, tensors: list[Tensor]) -> bool:
+    """Whether no byte ``out`` spans lies in the span of any of ``tensors`` (on its device). The
+    arena may give a product's result the bytes of a fusion operand that was dead at the fusion's
+    position (``spmd.runtime.fusion_moves``), which the one-kernel candidates read as they write."""
+    lo, hi = _span(out)
+    return all(t.device != out.device or t.numel() == 0 or _span(t)[1] <= lo or hi <= _span(t)[0] for t in tensors)
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte address of ``t``'s elements (non-negative strides)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _kernel_args(pro: Prologue, f_ops: list[Tensor], out: Tensor) -> tuple[Tensor, Tensor] | None:

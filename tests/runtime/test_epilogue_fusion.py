@@ -234,3 +234,20 @@ def test_a_skinny_product_keeps_its_own_kernel_choice():
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(16, 24, generator=g), torch.randn(24, 33, generator=g)
     assert "dot" in _opcodes(f_jit, 1, x, w)
+
+
+def _product_then_another_chain(p, q, r, s, w):
+    a = p @ q
+    t = a @ w
+    u = (r @ s) @ s  # between the product and its gelu; r @ s takes a's arena bytes (dead there)
+    return torch.cat([F.gelu(t), u])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_product_is_not_moved_into_its_reader_past_a_product_that_reuses_its_inputs_bytes(n):
+    g = torch.Generator().manual_seed(12)
+    p, r = torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g)
+    q, s, w = (torch.randn(32, 32, generator=g) / 5 for _ in range(3))
+    f, n = _jit(_product_then_another_chain, n, (P(), P(), P(), P(), P(None, "tp")), P())
+    assert "dot" in _opcodes(f, n, p, q, r, s, w)  # t stays its own product
+    _close(f(p, q, r, s, w), _product_then_another_chain(*(t.double() for t in (p, q, r, s, w))), torch.float32)

@@ -146,3 +146,32 @@ def test_a_bf16_decode_layer_runs_its_norms_and_swiglu_inside_its_products():
 def test_float32_decode_keeps_its_fusions():
     one, pro_one, _ = _decode_kernels(1, torch.float32)
     assert pro_one == 0 and one["fusion"] >= 4
+
+
+def _hf_norm(x, g):
+    x32 = x.float()
+    return g * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _norm_then_another_product(a, b, w0, w1, w2, g):
+    x = a @ w0
+    n = _hf_norm(x, g)
+    t = b @ w1  # scheduled between the norm and its product; its arena bytes are x's (dead there)
+    return n @ w2 + t
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_norm_is_not_moved_past_a_product_that_reuses_its_inputs_bytes(n):
+    torch.manual_seed(11)
+    k = 32
+    a, b = torch.randn(4, k).bfloat16(), torch.randn(4, k).bfloat16()
+    w0, w1, w2 = ((torch.randn(k, k) / 5).bfloat16() for _ in range(3))
+    g = (torch.rand(k) + 0.5).bfloat16()
+    mesh = spmd.Mesh.create(("dp",), devices=f"cpu:{n}")
+    specs = (P("dp"), P("dp"), P(), P(), P(), P())
+    f = spmd.jit(_norm_then_another_product, mesh=mesh, in_shardings=specs,
+                 options=spmd.CompileOptions(cuda_graphs=False))
+    args = [spmd.device_put(t, spmd.NamedSharding(mesh, s)) for t, s in zip((a, b, w0, w1, w2, g), specs, strict=True)]
+    assert not _prologue_kernels(_program(f, args, n))
+    _check(f(*args).to_torch(), _norm_then_another_product(a.double(), b.double(), w0.double(), w1.double(),
+                                                          w2.double(), g.double()))

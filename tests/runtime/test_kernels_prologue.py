@@ -165,3 +165,12 @@ def test_a_decode_shaped_norm_and_product_under_cuda_graphs_equal_eager(monkeypa
         got = f(x, gamma, w).to_torch()
         _close(got, _rms_ref(x, gamma).double() @ w.double().T * 2)
     assert any(d.prologue == "rms-norm" for d in kg.DECISIONS[before:])
+
+
+def test_disjoint_spans_of_views_of_one_buffer():
+    buf = torch.randn(64)
+    out = buf[:16].view(4, 4)
+    assert kp.disjoint(out, [buf[16:32], buf[32:].view(4, 8)])
+    assert not kp.disjoint(out, [buf[8:24]])  # the arena gave out the bytes of an operand
+    assert not kp.disjoint(out, [buf.view(8, 8)[:, 1]])  # a strided view reaching into out
+    assert kp.disjoint(out, [torch.randn(4, 4), buf[:0]])
