@@ -18,13 +18,15 @@ from tests.fuzz.builder import Builder
 from tests.fuzz.case import Case
 from tests.fuzz.draw import Draw
 from tests.fuzz.ops import CORE_OPS, op_unary
+from tests.fuzz.ops_fusion import FUSION_OPS
 from tests.fuzz.ops_new import NEW_OPS
 
 #: new_ops: the ops other branches are adding (UnsupportedOpError on main);
 #: donation: donate_argnums in ~20% of programs; donate_unread: donation may include an argument
 #: the program never reads; constraints: with_sharding_constraint on intermediates; threads: the
-#: first call of ~10% of the programs without donation is made from 3 threads at once.
-ALL_FEATURES = frozenset({"new_ops", "donation", "donate_unread", "constraints", "threads"})
+#: first call of ~10% of the programs without donation is made from 3 threads at once; fusions:
+#: the skinny RMS-norm / SwiGLU products and product + activation pairs the lowering fuses.
+ALL_FEATURES = frozenset({"new_ops", "donation", "donate_unread", "constraints", "threads", "fusions"})
 
 #: Features excluded from the CI slice because of an open, recorded bug (feature -> finding).
 KNOWN_OPEN: dict[str, str] = {}
@@ -44,7 +46,7 @@ def default_features() -> frozenset[str]:
 
 def op_kinds() -> list[str]:
     """Every op kind the generator knows (for ``exclude_ops``)."""
-    return [k for k, _, _ in CORE_OPS + NEW_OPS]
+    return [k for k, _, _ in CORE_OPS + NEW_OPS + FUSION_OPS]
 
 
 def ci_features() -> frozenset[str]:
@@ -77,6 +79,8 @@ def generate_case(d: Draw, seed: int, *, device: str = "cpu", features: frozense
     table = [op for op in CORE_OPS if op[0] != "constraint" or "constraints" in features]
     if "new_ops" in features:
         table += NEW_OPS
+    if "fusions" in features:
+        table += FUSION_OPS
     weighted = [(k, g) for k, g, w in table if k not in exclude_ops for _ in range(w)]
     d.count_at = len(d.choices)
     n_ops = d.integer(1, max_ops)

@@ -48,6 +48,36 @@ def test_ci_slice(data):
                              + describe(case, outcome))
 
 
+FUSION_KINDS = frozenset({"rms_linear", "swiglu_linear", "linear_act"})
+
+
+def test_fusion_slice(monkeypatch):
+    """Programs of only the ``tests.fuzz.ops_fusion`` ops (seeded: the same programs every run): each
+    matches float64 eager, and together they reach fusion (d) and the epilogue fusion."""
+    from spmd.runtime import kernels_epilogue, kernels_prologue
+    from tests.fuzz.generate import op_kinds
+
+    built = {"prologue": 0, "epilogue": 0}
+
+    def counting(key, make):
+        def wrapper(*args, **kwargs):
+            built[key] += 1
+            return make(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(kernels_prologue, "make_prologue_product",
+                        counting("prologue", kernels_prologue.make_prologue_product))
+    monkeypatch.setattr(kernels_epilogue, "make_kernel", counting("epilogue", kernels_epilogue.make_kernel))
+    exclude = frozenset(op_kinds()) - FUSION_KINDS
+    for seed in range(24):
+        case = generate_case(RandomDraw(f"fusion-{seed}"), seed, features=ci_features(), max_ops=3,
+                             exclude_ops=exclude)
+        assert set(case.ops) <= FUSION_KINDS, case.ops
+        outcome = run_case(case)
+        assert outcome.cls in ("match", "unsupported"), describe(case, outcome)
+    assert built["prologue"] >= 3 and built["epilogue"] >= 2, built
+
+
 @pytest.mark.slow
 def test_sweep(tmp_path):
     from tests.fuzz.sweep import parse_args, run_jobs, summary, sweep
