@@ -38,11 +38,7 @@ def fuse_epilogues(ops: list, blocked: set[int]) -> None:
     ``blocked``: slots whose value must stay materialised (program outputs, operands of views).
     Runs after ``fusions.fuse`` (it takes the addmm of fusion (b) as a product).
     """
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(ops):
-        for s in op.ins:
-            readers.setdefault(s, []).append(k)
-    producer = {op.out: k for k, op in enumerate(ops)}
+    readers, producer = fusions.use_def(ops)
     removed: set[int] = set()
     for k, op in enumerate(ops):
         if op.fn is not None or "spec" in op.extra or op.alias_of >= 0:

@@ -62,11 +62,7 @@ def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | N
     at lowering time (the dynamic-update-slice offsets); enables (c).
     """
     blocked = set(outputs) | set(view_sources)
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(ops):
-        for s in op.ins:
-            readers.setdefault(s, []).append(k)
-    producer = {op.out: k for k, op in enumerate(ops)}
+    readers, producer = use_def(ops)
     removed: set[int] = set()
     for k, op in enumerate(ops):
         if op.fn is not None or "spec" in op.extra:
@@ -90,6 +86,15 @@ def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | N
     if folded is not None:
         _skip_covered_inits(ops, producer, readers, removed, folded)
     ops[:] = [op for k, op in enumerate(ops) if k not in removed]
+
+
+def use_def(ops: list) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """(slot -> indices of the ops reading it, in order; slot -> index of the op writing it) of an ``Op`` list."""
+    readers: dict[int, list[int]] = {}
+    for k, op in enumerate(ops):
+        for s in op.ins:
+            readers.setdefault(s, []).append(k)
+    return readers, {op.out: k for k, op in enumerate(ops)}
 
 
 def dot_work(dot_inst) -> int:

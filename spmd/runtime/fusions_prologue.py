@@ -17,6 +17,7 @@ prologue fusion aim for. Runs after ``spmd.runtime.fusions.fuse`` on the same ``
 from __future__ import annotations
 
 from spmd.runtime import kernels_gemv
+from spmd.runtime.fusions import use_def
 from spmd.runtime.prologue_match import match_prologue
 
 _HALF = ("bf16", "f16")
@@ -31,11 +32,7 @@ def fuse_prologues(ops: list, outputs: set[int], view_sources: set[int] | frozen
     from spmd.runtime.kernels import compile_kernel
     from spmd.runtime.kernels_prologue import make_prologue_product
 
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(ops):
-        for s in op.ins:
-            readers.setdefault(s, []).append(k)
-    producer = {op.out: k for k, op in enumerate(ops)}
+    readers, producer = use_def(ops)
     removed: set[int] = set()
     for k, op in enumerate(ops):
         site = _product_site(op)
