@@ -99,10 +99,11 @@ def _close(out: torch.Tensor, exact: torch.Tensor, label: str = "") -> None:
 def test_every_configuration_is_within_a_rounding_of_the_exact_product(kind, accumulate, m, k, n):
     f_ops, x_in, w, c, pro, _ = _inputs(kind, m, k, n, m * k + n)
     exact = x_in.double() @ w.double().T + (c.double() if accumulate else 0)
-    for config in kg.SKINNY_CONFIGS:
+    configs = [(c, False) for c in kg.SKINNY_CONFIGS] + [(c, True) for c in kg.ROW_CONFIGS if m == 1]
+    for config, row in configs:
         out = c.clone()
-        kp._triton(pro, accumulate, config)(f_ops, w, out)
-        _close(out, exact, str(config))
+        kp._triton(pro, accumulate, config, row)(f_ops, w, out)
+        _close(out, exact, str((config, row)))
 
 
 @gpu
