@@ -45,7 +45,7 @@ def fuse_epilogues(ops: list, blocked: set[int]) -> None:
             continue
         for pos in _epilogue_positions(op.inst):
             d = _product(ops, producer, readers, blocked, op.ins[pos], op.stream, k) if pos < len(op.ins) else None
-            if d is not None and d not in removed:
+            if d is not None and d not in removed and fusions.only_views_between(ops, d, k, removed):
                 _fuse(ops[d], op, pos)
                 removed.add(d)
                 break

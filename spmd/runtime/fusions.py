@@ -97,6 +97,14 @@ def use_def(ops: list) -> tuple[dict[int, list[int]], dict[int, int]]:
     return readers, {op.out: k for k, op in enumerate(ops)}
 
 
+def only_views_between(ops: list, first: int, last: int, removed: set[int] | frozenset[int] = frozenset()) -> bool:
+    """Whether every op strictly between ``ops[first]`` and ``ops[last]`` is a view (or in
+    ``removed``): nothing runs in between that could write memory. A fusion that moves the reads
+    of ``ops[first]``'s operands to ``ops[last]`` needs this: the buffer assignment, which saw
+    those reads end at ``ops[first]``, may have given their bytes to an op in between."""
+    return all(t in removed or "view" in ops[t].extra for t in range(first + 1, last))
+
+
 def dot_work(dot_inst) -> int:
     """Multiply-adds of a dot: result elements times the contracted size."""
     k = 1

@@ -62,8 +62,8 @@ def make_prologue_product(pro: Prologue, fusion_fn: Callable, product_fn: Callab
 def _fused(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, c: Tensor | None, unfused,
            fusion_body) -> bool:
     """Run the chosen kernel on ``out`` when the fused path applies (CUDA, 16-bit, skinny, the
-    layouts the Triton kernel reads, ``out`` being ``c``'s memory when accumulating); False
-    (nothing written) otherwise."""
+    layouts the Triton kernel reads, ``out`` being ``c``'s memory when accumulating and sharing
+    no bytes with the fusion's inputs); False (nothing written) otherwise."""
     accumulate = c is not None
     if accumulate and not (c.data_ptr() == out.data_ptr() and c.stride() == out.stride() and c.shape == out.shape):
         return False
@@ -71,6 +71,8 @@ def _fused(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, c: Tensor
     if args is None or not out.is_contiguous() or not w.is_contiguous():
         return False
     x, g = args
+    if kf._overlaps(out, [x, g]):
+        return False  # the buffer assignment gave the result the bytes of an input the kernel still reads
     o = out.view(x.shape[0], w.shape[0])
     if w.dim() != 2 or w.shape[1] != x.shape[1] or not kg.eligible(x, w, o):
         return False

@@ -26,7 +26,7 @@ a few KiB from L2, so computing it there costs no HBM traffic and saves one kern
 - ``PROLOGUE_RMS_NORM``: ``p(x) = x * rsqrt(mean(x², -1) + eps) * g`` (RMSNorm, Zhang & Sennrich
   2019): ``x * g`` rounded to 16 bits feeds the product, the squares of ``x`` accumulate beside
   it (summed once after the loop), and the per-row ``rsqrt`` scales the float32 accumulator at
-  the end (a row scale commutes with the product);
+  the end (a row scale commutes with the product; FlashNorm, arXiv:2407.09577, defers it so);
 - ``PROLOGUE_SWIGLU``: ``p(x) = silu(x) * g`` (the gated unit of Llama's MLP, Shazeer 2020), with
   the roundings of the op-by-op program: ``silu(x)`` rounded to 16 bits, then the product with ``g``.
 

@@ -146,3 +146,16 @@ def test_a_bf16_decode_layer_runs_its_norms_and_swiglu_inside_its_products():
 def test_float32_decode_keeps_its_fusions():
     one, pro_one, _ = _decode_kernels(1, torch.float32)
     assert pro_one == 0 and one["fusion"] >= 4
+
+
+def test_only_views_may_run_between_a_fusion_and_the_op_that_takes_it_over():
+    from types import SimpleNamespace
+
+    from spmd.runtime.fusions import only_views_between
+
+    ops = [SimpleNamespace(extra={}), SimpleNamespace(extra={"view": True}), SimpleNamespace(extra={}),
+           SimpleNamespace(extra={})]
+    assert only_views_between(ops, 0, 2)  # a view between: its result is no new memory
+    assert only_views_between(ops, 2, 3)  # adjacent
+    assert not only_views_between(ops, 0, 3)  # op 2 writes memory in between
+    assert only_views_between(ops, 0, 3, removed={2})  # unless a fusion removed it
