@@ -11,8 +11,7 @@ addmm) whose result is read by exactly one op ``%g`` on the same stream, where `
   or a ``broadcast`` of another operand (a bias row added inside the fusion, as float32 programs
   fuse ``gelu(x @ w.T + b)``), and the root is one array,
 
-becomes one op on ``%g``'s instruction (reading ``%a``, ``%b`` there: only where no op in between
-may write their memory, ``spmd.runtime.fusion_moves``): ``g(p(a, b[, c]), others...)``. This is the epilogue
+becomes one op on ``%g``'s instruction: ``g(p(a, b[, c]), others...)``. This is the epilogue
 fusion of cuBLASLt and of Inductor's and XLA's GEMM emitters (the activation applied to the
 accumulator tile before it is stored), decided per shape at run time by
 ``spmd.runtime.kernels_epilogue``: op by op (exactly the two kernels the pair ran: the product
@@ -28,7 +27,6 @@ from collections.abc import Callable
 
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation
 from spmd.runtime import fusions, kernels_epilogue, kernels_gemv
-from spmd.runtime.fusion_moves import reads_can_move
 
 #: custom calls that are elementwise in their one operand (``spmd.ir.custom_calls``)
 ACTIVATIONS = frozenset({"gelu", "silu"})
@@ -40,18 +38,14 @@ def fuse_epilogues(ops: list, blocked: set[int]) -> None:
     ``blocked``: slots whose value must stay materialised (program outputs, operands of views).
     Runs after ``fusions.fuse`` (it takes the addmm of fusion (b) as a product).
     """
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(ops):
-        for s in op.ins:
-            readers.setdefault(s, []).append(k)
-    producer = {op.out: k for k, op in enumerate(ops)}
+    readers, producer = fusions.use_def(ops)
     removed: set[int] = set()
     for k, op in enumerate(ops):
         if op.fn is not None or "spec" in op.extra or op.alias_of >= 0:
             continue
         for pos in _epilogue_positions(op.inst):
             d = _product(ops, producer, readers, blocked, op.ins[pos], op.stream, k) if pos < len(op.ins) else None
-            if d is not None and d not in removed:
+            if d is not None and d not in removed and fusions.only_views_between(ops, d, k, removed):
                 _fuse(ops[d], op, pos)
                 removed.add(d)
                 break
@@ -101,8 +95,8 @@ def _product(ops, producer, readers, blocked, slot: int, stream: int, k: int) ->
     if d is None or slot in blocked or readers.get(slot) != [k]:
         return None
     op = ops[d]
-    if op.stream != stream or op.alias_of >= 0 or "spec" in op.extra or not reads_can_move(ops, d, k, op.ins):
-        return None  # (or an op in between may overwrite an operand's memory: arena reuse, in place)
+    if op.stream != stream or op.alias_of >= 0 or "spec" in op.extra:
+        return None
     dims = op.inst.shape.dims
     if dims and dims[-1] and op.inst.shape.numel // dims[-1] <= kernels_gemv.MAX_ROWS:
         return None  # a skinny product: its own kernel choice (kernels_gemv / kernels_prologue)

@@ -62,11 +62,7 @@ def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | N
     at lowering time (the dynamic-update-slice offsets); enables (c).
     """
     blocked = set(outputs) | set(view_sources)
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(ops):
-        for s in op.ins:
-            readers.setdefault(s, []).append(k)
-    producer = {op.out: k for k, op in enumerate(ops)}
+    readers, producer = use_def(ops)
     removed: set[int] = set()
     for k, op in enumerate(ops):
         if op.fn is not None or "spec" in op.extra:
@@ -90,6 +86,23 @@ def fuse(ops: list, outputs: set[int], buffers: Any, folded: dict[int, list] | N
     if folded is not None:
         _skip_covered_inits(ops, producer, readers, removed, folded)
     ops[:] = [op for k, op in enumerate(ops) if k not in removed]
+
+
+def use_def(ops: list) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """(slot -> indices of the ops reading it, in order; slot -> index of the op writing it) of an ``Op`` list."""
+    readers: dict[int, list[int]] = {}
+    for k, op in enumerate(ops):
+        for s in op.ins:
+            readers.setdefault(s, []).append(k)
+    return readers, {op.out: k for k, op in enumerate(ops)}
+
+
+def only_views_between(ops: list, first: int, last: int, removed: set[int] | frozenset[int] = frozenset()) -> bool:
+    """Whether every op strictly between ``ops[first]`` and ``ops[last]`` is a view (or in
+    ``removed``): nothing runs in between that could write memory. A fusion that moves the reads
+    of ``ops[first]``'s operands to ``ops[last]`` needs this: the buffer assignment, which saw
+    those reads end at ``ops[first]``, may have given their bytes to an op in between."""
+    return all(t in removed or "view" in ops[t].extra for t in range(first + 1, last))
 
 
 def dot_work(dot_inst) -> int:

@@ -6,19 +6,20 @@ is the lhs of
 - a ``dot`` ``x[..., K] @ w[N, K].T`` (or ``@ w[K, N]``) of at most ``kernels_gemv.MAX_ROWS`` rows, or
 - the accumulating addmm that ``spmd.runtime.fusions`` made of ``c + dot(x, w)`` (fusion (b)),
 
-becomes one op reading the fusion's operands (at the product's position: only where no op in
-between may write their memory, ``spmd.runtime.fusion_moves``): ``kernels_prologue.make_prologue_product``, which
-runs the Triton kernel with the prologue where it was timed faster and the fusion's kernel then
-the product otherwise (the same kernels as before, so CPU programs compute exactly what they did).
-A decode step of a Llama layer loses three kernels (two RMS norms, SwiGLU) and the round trips of
-their results, as the hand-fused decode kernels of TensorRT-LLM and gpt-fast's Inductor
-prologue fusion aim for. Runs after ``spmd.runtime.fusions.fuse`` on the same ``Op`` list.
+becomes one op reading the fusion's operands, where nothing but views runs between the two (the
+bytes of the fusion's operands cannot have been reused in between):
+``kernels_prologue.make_prologue_product`` runs the Triton kernel with the prologue where it was
+timed faster, and the fusion's kernel then the product otherwise (the same kernels as before, so
+CPU programs compute exactly what they did). A decode step of a Llama layer can lose three kernels
+(two RMS norms, SwiGLU) and the round trips of their results. The norm's per-row scale is applied
+after the product, as FlashNorm (Graef, Wasielewski, Clapp, 2024, arXiv:2407.09577) defers it.
+Runs after ``spmd.runtime.fusions.fuse`` on the same ``Op`` list.
 """
 
 from __future__ import annotations
 
 from spmd.runtime import kernels_gemv
-from spmd.runtime.fusion_moves import reads_can_move
+from spmd.runtime.fusions import only_views_between, use_def
 from spmd.runtime.prologue_match import match_prologue
 
 _HALF = ("bf16", "f16")
@@ -33,11 +34,7 @@ def fuse_prologues(ops: list, outputs: set[int], view_sources: set[int] | frozen
     from spmd.runtime.kernels import compile_kernel
     from spmd.runtime.kernels_prologue import make_prologue_product
 
-    readers: dict[int, list[int]] = {}
-    for k, op in enumerate(ops):
-        for s in op.ins:
-            readers.setdefault(s, []).append(k)
-    producer = {op.out: k for k, op in enumerate(ops)}
+    readers, producer = use_def(ops)
     removed: set[int] = set()
     for k, op in enumerate(ops):
         site = _product_site(op)
@@ -48,11 +45,11 @@ def fuse_prologues(ops: list, outputs: set[int], view_sources: set[int] | frozen
         f = producer.get(slot)
         if f is None or f in removed or slot in outputs or slot in view_sources or readers.get(slot) != [k]:
             continue
+        if not only_views_between(ops, f, k, removed):
+            continue  # the fusion's operands are read at ``op`` now: nothing may reuse their bytes before
         fusion = ops[f]
         if fusion.fn is not None or fusion.alias_of >= 0 or fusion.stream != op.stream or fusion.extra:
             continue
-        if not reads_can_move(ops, f, k, fusion.ins):
-            continue  # an op in between may overwrite an operand's memory (arena reuse, in place)
         pro = match_prologue(fusion.inst)
         if pro is None:
             continue

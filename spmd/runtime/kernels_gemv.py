@@ -13,7 +13,9 @@ The candidates are
   sets it); 3.4-4.3 TB/s for some shapes, slower for others;
 - ``triton-*``: ``spmd.runtime.triton_skinny``, one Triton kernel in a few block configurations
   (``SKINNY_CONFIGS``), the accumulate form fused (``out += x @ w.T`` with one rounding, as
-  ``addmm_``).
+  ``addmm_``);
+- ``row-*`` (one row only): the same module's CUDA-core row kernel (``ROW_CONFIGS``), accumulate
+  form fused too.
 
 As XLA's and Inductor's GEMM autotuners do, each candidate is checked once against the cuBLAS
 result and all are timed on the device once (CUDA-graph replays, L2 flushed before each timed
@@ -44,6 +46,9 @@ MAX_ROWS = 16  # rows of x up to which a product counts as skinny (decode batch 
 #: program (256-2000 programs for Llama-2-7B's shapes), 32-64 KiB of weight in flight per program
 SKINNY_CONFIGS = ((16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
                   (64, 256, 8, 3), (32, 256, 4, 6), (32, 512, 8, 3))
+#: (block_n, block_k, num_warps, num_stages) of the one-row CUDA-core candidates (``triton_skinny._row_mm``):
+#: 4-16 weight rows per program, a [block_n, block_k] float32 partial sum of 16-32 registers a thread
+ROW_CONFIGS = ((8, 512, 4, 3), (16, 256, 4, 3), (4, 1024, 4, 3), (8, 1024, 8, 2), (16, 512, 8, 3))
 _TIMED_CALLS = 9
 _OPTIONS = {**kf._INDUCTOR_OPTIONS, "coordinate_descent_tuning": True}
 Kernel = Callable[[Tensor, Tensor, Tensor], None]
@@ -137,6 +142,11 @@ def _candidates(x: Tensor, w: Tensor, out: Tensor, accumulate: bool) -> list[tup
             return lambda x, w, out: triton_skinny.launch(x, w, out, accumulate=accumulate, block_n=bn, block_k=bk,
                                                           num_warps=warps, num_stages=stages)
         found.append((f"triton-{bn}x{bk}-w{warps}-s{stages}", build))
+    for bn, bk, warps, stages in ROW_CONFIGS if x.shape[0] == 1 else ():
+        def build_row(bn=bn, bk=bk, warps=warps, stages=stages) -> Kernel:
+            return lambda x, w, out: triton_skinny.launch_row(x, w, out, accumulate=accumulate, block_n=bn,
+                                                              block_k=bk, num_warps=warps, num_stages=stages)
+        found.append((f"row-{bn}x{bk}-w{warps}-s{stages}", build_row))
     return found
 
 

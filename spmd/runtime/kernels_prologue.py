@@ -8,8 +8,10 @@ as it loads them: one kernel instead of two, no HBM round trip of the product's 
 
 Candidates, checked and timed once per (device, dtype, shapes, strides, prologue, accumulate) as
 ``spmd.runtime.kernels_gemv`` does (CUDA-graph replays with a cold L2, the fastest kept): the
-op-by-op pair (the fusion's kernel, then the product with its own timed kernel choice) and the
-Triton kernel with the prologue in each of ``kernels_gemv.SKINNY_CONFIGS``. The pair is the
+op-by-op pair (the fusion's kernel, then the product with its own timed kernel choice), the
+Triton kernel with the prologue in each of ``kernels_gemv.SKINNY_CONFIGS`` and, for one row, the
+CUDA-core row kernel in each of ``kernels_gemv.ROW_CONFIGS`` and Inductor's reduction over the
+fusion and the product traced as one graph. The pair is the
 reference each fused candidate must match within a few 16-bit roundings, and the only path on
 CPU, for shapes and layouts the Triton kernel does not take, and inside a capture before a
 warm-up decided. Every choice is appended to ``kernels_gemv.DECISIONS`` (``Decision.prologue``).
@@ -60,15 +62,17 @@ def make_prologue_product(pro: Prologue, fusion_fn: Callable, product_fn: Callab
 def _fused(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, c: Tensor | None, unfused,
            fusion_body) -> bool:
     """Run the chosen kernel on ``out`` when the fused path applies (CUDA, 16-bit, skinny, the
-    layouts the Triton kernel reads, ``out`` being ``c``'s memory when accumulating); False
-    (nothing written) otherwise."""
+    layouts the Triton kernel reads, ``out`` being ``c``'s memory when accumulating and sharing
+    no bytes with the fusion's inputs); False (nothing written) otherwise."""
     accumulate = c is not None
     if accumulate and not (c.data_ptr() == out.data_ptr() and c.stride() == out.stride() and c.shape == out.shape):
         return False
     args = _kernel_args(pro, f_ops, out)
-    if args is None or not out.is_contiguous() or not w.is_contiguous() or not disjoint(out, [*f_ops, w]):
-        return False  # (the kernel's blocks write ``out`` while others still read its inputs)
+    if args is None or not out.is_contiguous() or not w.is_contiguous():
+        return False
     x, g = args
+    if kf._overlaps(out, [x, g]):
+        return False  # the buffer assignment gave the result the bytes of an input the kernel still reads
     o = out.view(x.shape[0], w.shape[0])
     if w.dim() != 2 or w.shape[1] != x.shape[1] or not kg.eligible(x, w, o):
         return False
@@ -82,20 +86,6 @@ def _fused(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, c: Tensor
         return False
     kernel(f_ops, w, out)
     return True
-
-
-def disjoint(out: Tensor, tensors: list[Tensor]) -> bool:
-    """Whether no byte ``out`` spans lies in the span of any of ``tensors`` (on its device). The
-    arena may give a product's result the bytes of a fusion operand that was dead at the fusion's
-    position (``spmd.runtime.fusion_moves``), which the one-kernel candidates read as they write."""
-    lo, hi = _span(out)
-    return all(t.device != out.device or t.numel() == 0 or _span(t)[1] <= lo or hi <= _span(t)[0] for t in tensors)
-
-
-def _span(t: Tensor) -> tuple[int, int]:
-    """[first, last + 1) byte address of ``t``'s elements (non-negative strides)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _kernel_args(pro: Prologue, f_ops: list[Tensor], out: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -114,16 +104,19 @@ def _kernel_args(pro: Prologue, f_ops: list[Tensor], out: Tensor) -> tuple[Tenso
     return (x, g) if x.stride(1) == 1 and x.dtype == g.dtype == out.dtype else None
 
 
-def _triton(pro: Prologue, accumulate: bool, config: tuple[int, int, int, int]) -> Kernel:
+def _triton(pro: Prologue, accumulate: bool, config: tuple[int, int, int, int], row: bool = False) -> Kernel:
+    """The Triton kernel with the prologue in one block configuration: the tensor-core kernel
+    (``triton_skinny.launch``) or, with ``row``, the one-row CUDA-core kernel (``launch_row``)."""
     from spmd.runtime import triton_skinny as ts
 
     bn, bk, warps, stages = config
     prologue = ts.PROLOGUE_RMS_NORM if pro.kind == "rms-norm" else ts.PROLOGUE_SWIGLU
+    launch = ts.launch_row if row else ts.launch
 
     def fused(f_ops: list[Tensor], w: Tensor, out: Tensor) -> None:
         x, g = _kernel_args(pro, f_ops, out)
-        ts.launch(x, w, out.view(x.shape[0], w.shape[0]), accumulate=accumulate, block_n=bn, block_k=bk,
-                  num_warps=warps, num_stages=stages, prologue=prologue, g=g, eps=pro.eps, divisor=pro.divisor)
+        launch(x, w, out.view(x.shape[0], w.shape[0]), accumulate=accumulate, block_n=bn, block_k=bk,
+               num_warps=warps, num_stages=stages, prologue=prologue, g=g, eps=pro.eps, divisor=pro.divisor)
     return fused
 
 
@@ -174,15 +167,16 @@ def _choose(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, accumula
                 kernels.append(kernel)
         try:
             import spmd.runtime.triton_skinny  # noqa: F401 - only the pair without Triton
-            configs = kg.SKINNY_CONFIGS
+            configs = [(c, False) for c in kg.SKINNY_CONFIGS]
+            configs += [(c, True) for c in kg.ROW_CONFIGS] if out.numel() == out.shape[-1] else []
         except ImportError:
-            configs = ()
-        for config in configs:
-            kernel = kg.checked(lambda config=config: _triton(pro, accumulate, config), run, out, want)
+            configs = []
+        for config, row in configs:
+            kernel = kg.checked(lambda config=config, row=row: _triton(pro, accumulate, config, row), run, out, want)
             if kernel is None:
                 metrics.counter("gemv.fallback").inc()
                 continue
-            names.append("triton-{}x{}-w{}-s{}".format(*config))
+            names.append(("row" if row else "triton") + "-{}x{}-w{}-s{}".format(*config))
             kernels.append(kernel)
     times = kg._median_us(tuple(kernels), run, out.clone())
     best = min(range(len(times)), key=times.__getitem__)

@@ -3,7 +3,7 @@
 Imported only on CUDA machines (it imports ``triton`` at the top); ``spmd.runtime.kernels_gemv``
 and ``spmd.runtime.kernels_prologue`` time it against cuBLAS per shape.
 
-One program owns ``BLOCK_N`` output columns for all M ≤ 16 rows and streams its ``[BLOCK_N, K]``
+``_skinny_mm``: one program owns ``BLOCK_N`` output columns for all M ≤ 16 rows and streams its ``[BLOCK_N, K]``
 slab of the weight once, ``BLOCK_K`` columns per step, through a ``num_stages``-deep software
 pipeline (Triton's asynchronous copies into shared memory): the weight is read exactly once and
 nothing else is large, so the time is the time to stream ``w`` from HBM. The rows of ``x`` are
@@ -14,6 +14,11 @@ stored). Products accumulate in float32 and are rounded once to the output dtype
 kernels in gpt-fast / TensorRT-LLM, without split-K: every Llama-2-7B decode shape has at least
 256 column blocks of 16, enough to keep all SMs streaming.
 
+``_row_mm`` (``launch_row``): one row only, on the CUDA cores, the structure of Inductor's
+generated row reductions (which measured faster than the tensor-core kernel at one row: Q/K/V
+26.8 against 28.0 µs on an H200), with the prologue computed on the row's [BLOCK_K] slice instead
+of a 16-row padded tile.
+
 ``p`` is the prologue that produced the product's input (each program reads all of ``x`` anyway,
 a few KiB from L2, so computing it there costs no HBM traffic and saves one kernel):
 
@@ -21,7 +26,7 @@ a few KiB from L2, so computing it there costs no HBM traffic and saves one kern
 - ``PROLOGUE_RMS_NORM``: ``p(x) = x * rsqrt(mean(x², -1) + eps) * g`` (RMSNorm, Zhang & Sennrich
   2019): ``x * g`` rounded to 16 bits feeds the product, the squares of ``x`` accumulate beside
   it (summed once after the loop), and the per-row ``rsqrt`` scales the float32 accumulator at
-  the end (a row scale commutes with the product);
+  the end (a row scale commutes with the product; FlashNorm, arXiv:2407.09577, defers it so);
 - ``PROLOGUE_SWIGLU``: ``p(x) = silu(x) * g`` (the gated unit of Llama's MLP, Shazeer 2020), with
   the roundings of the op-by-op program: ``silu(x)`` rounded to 16 bits, then the product with ``g``.
 
@@ -105,6 +110,63 @@ def _skinny_mm(x_ptr, w_ptr, out_ptr, g_ptr, M, N, K, stride_xm, stride_wn, stri
     if ACCUMULATE:
         acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _row_mm(x_ptr, w_ptr, out_ptr, g_ptr, N, K, stride_wn, eps, divisor, ACCUMULATE: tl.constexpr,
+            PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            EVEN_N: tl.constexpr):
+    """One row: ``BLOCK_N`` weight rows per program, products on the CUDA cores (a [BLOCK_N,
+    BLOCK_K] float32 partial sum reduced once at the end), the prologue on the [BLOCK_K] slice of
+    the row only (no padded rows)."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    ssq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        if EVEN_K and EVEN_N:
+            b = tl.load(w_ptrs)
+        elif EVEN_K:
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            b = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0)
+        if PROLOGUE == 1:
+            a32 = a.to(tl.float32)
+            ssq += a32 * a32
+            gamma = tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            a = (a32 * gamma).to(x_ptr.dtype.element_ty)
+        elif PROLOGUE == 2:
+            a32 = a.to(tl.float32)
+            up = tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            gate = (a32 * tl.sigmoid(a32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+            a = (gate * up).to(x_ptr.dtype.element_ty)
+        acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    total = tl.sum(acc, axis=1)
+    if PROLOGUE == 1:
+        total = total * (1.0 / tl.sqrt_rn(tl.sum(ssq, axis=0) / divisor + eps))
+    if ACCUMULATE:
+        total += tl.load(out_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def launch_row(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulate: bool, block_n: int, block_k: int,
+               num_warps: int, num_stages: int, prologue: int = PROLOGUE_NONE, g: torch.Tensor | None = None,
+               eps: float = 0.0, divisor: float = 1.0) -> None:
+    """``launch`` for one row (``x [1, K]``, ``out [1, N]``) on the CUDA cores (``_row_mm``); ``g``
+    as for ``launch`` (the up projection of SwiGLU as ``[1, K]``, last dim contiguous)."""
+    k = x.shape[1]
+    n = w.shape[0]
+    g = x if g is None else g
+    _row_mm[(triton.cdiv(n, block_n),)](
+        x, w, out, g, n, k, w.stride(0), float(eps), float(divisor), ACCUMULATE=accumulate, PROLOGUE=prologue,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, num_warps=num_warps,
+        num_stages=num_stages)
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulate: bool, block_n: int, block_k: int,

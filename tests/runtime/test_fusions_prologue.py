@@ -175,3 +175,16 @@ def test_a_norm_is_not_moved_past_a_product_that_reuses_its_inputs_bytes(n):
     assert not _prologue_kernels(_program(f, args, n))
     _check(f(*args).to_torch(), _norm_then_another_product(a.double(), b.double(), w0.double(), w1.double(),
                                                           w2.double(), g.double()))
+
+
+def test_only_views_may_run_between_a_fusion_and_the_op_that_takes_it_over():
+    from types import SimpleNamespace
+
+    from spmd.runtime.fusions import only_views_between
+
+    ops = [SimpleNamespace(extra={}), SimpleNamespace(extra={"view": True}), SimpleNamespace(extra={}),
+           SimpleNamespace(extra={})]
+    assert only_views_between(ops, 0, 2)  # a view between: its result is no new memory
+    assert only_views_between(ops, 2, 3)  # adjacent
+    assert not only_views_between(ops, 0, 3)  # op 2 writes memory in between
+    assert only_views_between(ops, 0, 3, removed={2})  # unless a fusion removed it
