@@ -3,8 +3,9 @@
 Two forms, as ``spmd.passes.fuse_elementwise`` leaves them for a Llama decoder layer (16-bit
 activations; ``x`` and ``g`` are fusion parameters, reshapes of ``x`` anywhere):
 
-- **RMS norm** (``LlamaRMSNorm`` / ``torch.nn.RMSNorm`` computed in float32, the Llama layers of
-  HF transformers and ``spmd.models.llama``)::
+- **RMS norm** (``LlamaRMSNorm`` computed in float32: the Llama layers of HF transformers and
+  ``spmd.models.llama``; ``torch.nn.RMSNorm`` / ``F.rms_norm`` lower to another form and are not
+  matched)::
 
       x32 = convert(x) (f32)
       r   = rsqrt(divide(reduce-add(multiply(x32, x32), 0, last dim), divisor) + eps)
