@@ -219,7 +219,11 @@ class Generator:
         return out
 
     def _check_new_tokens(self, max_new_tokens) -> None:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens: expected an int >= 1, got {type(max_new_tokens).__name__} "
+                            f"{max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
+        if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         last = self.prefill_len + max_new_tokens - 1
         if last > self.max_seq:
@@ -259,7 +263,8 @@ class Generator:
           A ``GenerationResult``.
         Raises:
           TypeError / ValueError: bad prompts (empty, too long, too many, not sequences of ids,
-          ids outside the vocabulary), ``max_new_tokens`` < 1 or past the cache, ``sampling`` not a
+          ids outside the vocabulary), ``max_new_tokens`` not an int (TypeError), < 1 or past the
+          cache, ``sampling`` not a
           Sampling, a non-bool ``timing``, ``on_tokens`` / ``progress`` not callable.
           Nothing runs and the cache is untouched when an argument is rejected.
         Thread-safe: calls from several threads run one after the other (they share the cache).
@@ -269,6 +274,7 @@ class Generator:
             raise TypeError(f"sampling: expected a spmd.generation.Sampling, got {type(sampling).__name__}")
         ids = self._check_prompts(prompts)
         self._check_new_tokens(max_new_tokens)
+        max_new_tokens = int(max_new_tokens)  # a numpy integer too
         if isinstance(stream_every, bool) or not isinstance(stream_every, int) or stream_every < 0:
             raise ValueError(f"stream_every: expected an int >= 0, got {stream_every!r}")
         if not isinstance(timing, bool):

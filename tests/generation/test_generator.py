@@ -115,6 +115,8 @@ BAD_CALLS = [
     (dict(prompts=[]), TypeError, "non-empty list"),
     (dict(prompts=[[1, 256]]), ValueError, r"\[0, 256\)"),
     (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+    (dict(max_new_tokens=2.0), TypeError, "max_new_tokens: expected an int >= 1, got float 2.0"),
+    (dict(max_new_tokens=True), TypeError, "max_new_tokens: expected an int >= 1, got bool"),
     (dict(sampling="greedy"), TypeError, "sampling"),
     (dict(prompts=[1, 2]), TypeError, r"prompts\[0\]: expected a sequence"),
     (dict(prompts=[torch.tensor(3)]), TypeError, r"prompts\[0\]: expected a 1-d tensor"),
