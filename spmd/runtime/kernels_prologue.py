@@ -64,6 +64,8 @@ def _fused(pro: Prologue, f_ops: list[Tensor], w: Tensor, out: Tensor, c: Tensor
     """Run the chosen kernel on ``out`` when the fused path applies (CUDA, 16-bit, skinny, the
     layouts the Triton kernel reads, ``out`` being ``c``'s memory when accumulating and sharing
     no bytes with the fusion's inputs); False (nothing written) otherwise."""
+    if not w.is_cuda:
+        return False
     accumulate = c is not None
     if accumulate and not (c.data_ptr() == out.data_ptr() and c.stride() == out.stride() and c.shape == out.shape):
         return False
