@@ -19,6 +19,7 @@ Runs after ``spmd.runtime.fusions.fuse`` on the same ``Op`` list.
 from __future__ import annotations
 
 from spmd.runtime import kernels_gemv
+from spmd.runtime.fusions import _mm_layout as mm_layout
 from spmd.runtime.fusions import only_views_between, use_def
 from spmd.runtime.prologue_match import match_prologue
 
@@ -65,27 +66,20 @@ def fuse_prologues(ops: list, outputs: set[int], view_sources: set[int] | frozen
 
 def _product_site(op) -> tuple[int, bool, bool] | None:
     """(lhs operand position, accumulate, rhs is ``[N, K]``) of a skinny unbatched 16-bit product
-    ``op`` whose lhs contracts its last dim with a 2-d rhs, or None."""
+    ``op`` (a plain dot of ``fusions._mm_layout``'s layouts, or fusion (b)'s addmm), or None."""
     if "spec" in op.extra or "view" in op.extra:
+        return None
+    dims = op.inst.shape.dims
+    rows = op.inst.shape.numel // dims[-1] if dims and dims[-1] else 0
+    if op.inst.shape.dtype not in _HALF or not 1 <= rows <= kernels_gemv.MAX_ROWS:
         return None
     if "mm" in op.extra and len(op.ins) == 3:  # fusion (b): [c, a, b]
         batched, transposed = op.extra["mm"]
-        dims = op.inst.shape.dims
-        rows = op.inst.shape.numel // dims[-1] if dims and dims[-1] else 0
-        if batched or op.inst.shape.dtype not in _HALF or not 1 <= rows <= kernels_gemv.MAX_ROWS:
-            return None
-        return 1, True, transposed
-    inst = op.inst
-    if inst.opcode != "dot" or op.fn is not None or inst.attrs.get("lhs_batch_dims"):
+        return None if batched else (1, True, transposed)
+    if op.inst.opcode != "dot" or op.fn is not None:
         return None
-    lhs, rhs = inst.operands
-    if rhs.shape.rank != 2 or tuple(inst.attrs["lhs_contracting_dims"]) != (lhs.shape.rank - 1,):
+    layout = mm_layout(op.inst)
+    lhs, rhs = op.inst.operands
+    if layout is None or layout[0] or not op.inst.shape.dtype == lhs.shape.dtype == rhs.shape.dtype:
         return None
-    rc = tuple(inst.attrs["rhs_contracting_dims"])
-    k = lhs.shape.dims[-1] if lhs.shape.rank else 0
-    rows = lhs.shape.numel // k if k else 0
-    if rc not in ((0,), (1,)) or not 1 <= rows <= kernels_gemv.MAX_ROWS or inst.shape.numel == 0:
-        return None
-    if not (inst.shape.dtype == lhs.shape.dtype == rhs.shape.dtype and inst.shape.dtype in _HALF):
-        return None
-    return 0, False, rc == (1,)
+    return 0, False, layout[1]

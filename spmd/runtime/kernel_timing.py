@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from spmd.compile_lock import CAPTURE_LOCK
+
 L2_FLUSH_BYTES = 256 * 2**20
 
 
@@ -56,3 +58,18 @@ def cold_replay_us(graphs: Sequence[torch.cuda.CUDAGraph | None], device: torch.
             end.synchronize()
             times[i].append(start.elapsed_time(end) * 1e3)
     return [statistics.median(t[1:]) if g is not None else None for g, t in zip(graphs, times, strict=True)]
+
+
+def median_us_each(calls: Sequence[Callable[[], object]], device: torch.device, timed_rounds: int) -> tuple[float, ...]:
+    """``cold_replay_us`` of ``capture_each(calls)``, captured under ``CAPTURE_LOCK`` (no other
+    thread captures meanwhile); a call that cannot be captured times as infinity (never chosen)."""
+    with CAPTURE_LOCK:
+        graphs = capture_each(calls, device)
+    return tuple(float("inf") if t is None else t for t in cold_replay_us(graphs, device, timed_rounds))
+
+
+def within_roundings(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a candidate's result ``got`` matches the reference ``want`` within a few 16-bit
+    roundings (2% of each value and of ``want``'s largest magnitude; NaN where ``want`` is NaN)."""
+    scale = want.float().abs().max().item() + 1e-6
+    return torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale, equal_nan=True)

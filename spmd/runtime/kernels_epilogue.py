@@ -41,9 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from spmd import metrics
-from spmd.compile_lock import CAPTURE_LOCK
 from spmd.runtime import kernels_fusion as kf
-from spmd.runtime.kernel_timing import capture_each, cold_replay_us
+from spmd.runtime.kernel_timing import median_us_each, within_roundings
 
 Tensor = torch.Tensor
 Kernel = Callable[[list[Tensor], Tensor | None], Tensor]
@@ -141,8 +140,7 @@ def _checked(build: Callable[[], Generated], ops: list[Tensor], want: Tensor) ->
         return None
     if got.shape != want.shape or got.dtype != want.dtype or got.stride() != want.stride():
         return None  # the runtime's readers expect the layout the pair returns
-    scale = want.float().abs().max().item() + 1e-6
-    if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale, equal_nan=True):
+    if not within_roundings(got, want):
         return None
     return kernel
 
@@ -200,6 +198,4 @@ DECISIONS: list[Decision] = []  # every choice made in this process, in order (f
 def _median_us(kernels: tuple[Generated, ...], ops: list[Tensor]) -> tuple[float, ...]:
     """Median µs of one call of each kernel as a CUDA graph replay with a cold L2, interleaved
     (``spmd.runtime.kernel_timing``); a kernel that cannot be captured times as infinity."""
-    with CAPTURE_LOCK:
-        graphs = capture_each([lambda k=k: k(ops) for k in kernels], ops[0].device)
-    return tuple(float("inf") if t is None else t for t in cold_replay_us(graphs, ops[0].device, _TIMED_CALLS))
+    return median_us_each([lambda k=k: k(ops) for k in kernels], ops[0].device, _TIMED_CALLS)

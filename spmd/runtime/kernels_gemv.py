@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from spmd import metrics
-from spmd.compile_lock import CAPTURE_LOCK
 from spmd.runtime import kernels_fusion as kf
-from spmd.runtime.kernel_timing import capture_each, cold_replay_us
+from spmd.runtime.kernel_timing import median_us_each, within_roundings
 
 Tensor = torch.Tensor
 MIN_WEIGHT_BYTES = 4 * 2**20
@@ -162,8 +161,7 @@ def checked(build: Callable[[], Callable], run: Callable[[Callable, Tensor], obj
         torch.cuda.synchronize(out.device)
     except Exception:  # noqa: BLE001 - any compiler or launch failure drops the candidate
         return None
-    scale = want.float().abs().max().item() + 1e-6
-    if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale):
+    if not within_roundings(got, want):
         return None
     return kernel
 
@@ -223,6 +221,4 @@ def _median_us(kernels, run: Callable[[Callable, Tensor], object], out: Tensor) 
     """Median µs of one call ``run(kernel, out)`` of each kernel as the runtime runs it (a CUDA
     graph replay), interleaved, each with a cold L2 (``spmd.runtime.kernel_timing``); a kernel that
     cannot be captured times as infinity (never chosen)."""
-    with CAPTURE_LOCK:
-        graphs = capture_each([lambda k=k: run(k, out) for k in kernels], out.device)
-    return tuple(float("inf") if t is None else t for t in cold_replay_us(graphs, out.device, _TIMED_CALLS))
+    return median_us_each([lambda k=k: run(k, out) for k in kernels], out.device, _TIMED_CALLS)
