@@ -27,13 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd.runtime import triton_pdl
+
 BLOCK_S = 64
 
 
 @triton.jit
 def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, S, HQ, GROUP, scale, keys_per_split,
              sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_s,
-             HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+             HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+             PDL: tl.constexpr, KV_LINES: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -42,8 +45,15 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, S, HQ, GROUP, scale, keys_
     hk = h // GROUP
     rd = tl.arange(0, D)
     rs = tl.arange(0, BLOCK_S)
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rd).to(tl.float32) * scale
     start = split * keys_per_split
+    if PDL:  # the cache's first keys and values into L2 while the previous kernel finishes
+        triton_pdl.gdc_launch_dependents()
+        first = tl.minimum(start + rs, S - 1)
+        eb: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+        triton_pdl.prefetch_rows(k_ptr + b * sk_b + hk * sk_h + first * sk_s, eb, KV_LINES)
+        triton_pdl.prefetch_rows(v_ptr + b * sv_b + hk * sv_h + first * sv_s, eb, KV_LINES)
+        triton_pdl.gdc_wait()
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rd).to(tl.float32) * scale
     end = tl.minimum(start + keys_per_split, S)
     m = tl.full((), float("-inf"), tl.float32)
     l_sum = tl.zeros((), tl.float32)
@@ -52,9 +62,11 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, S, HQ, GROUP, scale, keys_
         s = s0 + rs
         ok = s < end
         kb = tl.load(k_ptr + b * sk_b + hk * sk_h + s[:, None] * sk_s + rd[None, :], mask=ok[:, None], other=0.0)
-        scores = tl.sum(kb.to(tl.float32) * q[None, :], axis=1)
+        vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + rd[None, :], mask=ok[:, None], other=0.0)
         if HAS_MASK:
             mk = tl.load(mask_ptr + b * sm_b + h * sm_h + s * sm_s, mask=ok, other=0)
+        scores = tl.sum(kb.to(tl.float32) * q[None, :], axis=1)
+        if HAS_MASK:
             if BOOL_MASK:
                 scores = tl.where(mk != 0, scores, float("-inf"))
             else:
@@ -64,7 +76,6 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, S, HQ, GROUP, scale, keys_
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # every key so far masked: no NaN
         p = tl.exp(scores - shift)
         alpha = tl.exp(m - shift)
-        vb = tl.load(v_ptr + b * sv_b + hk * sv_h + s[:, None] * sv_s + rd[None, :], mask=ok[:, None], other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
         l_sum = l_sum * alpha + tl.sum(p, axis=0)
         m = m_new
@@ -76,7 +87,10 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, S, HQ, GROUP, scale, keys_
 
 @triton.jit
 def _combine(part_ptr, out_ptr, HQ, so_b, so_h, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-             D: tl.constexpr):
+             D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        triton_pdl.gdc_launch_dependents()
+        triton_pdl.gdc_wait()
     bh = tl.program_id(0)
     b = bh // HQ
     h = bh % HQ
@@ -122,9 +136,10 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 
 def num_splits(bh: int, keys: int, num_sms: int) -> int:
-    """Key ranges per (batch, head): about two programs per SM in all, each with at least one
-    ``BLOCK_S`` block of keys."""
-    return max(1, min(triton.cdiv(2 * num_sms, bh), triton.cdiv(keys, BLOCK_S)))
+    """Key ranges per (batch, head): about four programs per SM in all (each loads its keys and
+    values together, so more programs in flight hide more of HBM's latency), each with at least
+    one ``BLOCK_S`` block of keys."""
+    return max(1, min(triton.cdiv(4 * num_sms, bh), triton.cdiv(keys, BLOCK_S)))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -148,12 +163,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)
     m_strides = (mask.stride(0), mask.stride(1), mask.stride(3)) if mask is not None else (0, 0, 0)
+    pdl = triton_pdl.enabled(q.device)
+    launch = {"launch_pdl": True} if pdl else {}
+    kv_lines = triton_pdl.prefetch_lines(1, 1, d * k.element_size()) if pdl else 0
     _partial[(b * hq, splits)](
         q, k, v, q if mask is None else mask, part, keys, hq, hq // hkv,
         float(d ** -0.5 if scale is None else scale), per_split,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *m_strides, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
-        D=d, BLOCK_S=BLOCK_S, num_warps=4)
+        D=d, BLOCK_S=BLOCK_S, PDL=pdl, KV_LINES=kv_lines, num_warps=4, **launch)
     _combine[(b * hq,)](part, out, hq, out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                        SPLITS_POW2=triton.next_power_of_2(splits), D=d, num_warps=4)
+                        SPLITS_POW2=triton.next_power_of_2(splits), D=d, PDL=pdl, num_warps=4, **launch)
     return out

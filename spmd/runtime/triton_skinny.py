@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd.runtime import triton_pdl
+
 BLOCK_M = 16
 PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SWIGLU = 0, 1, 2
 
@@ -53,9 +55,12 @@ def _rows(ptrs, m_ok, k_ok):
 @triton.jit
 def _skinny_mm(x_ptr, w_ptr, out_ptr, g_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_gm, eps, divisor,
                ACCUMULATE: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+               PREFETCH_LINES: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    triton_pdl.start(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn,
+                     w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH_LINES, PDL)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
@@ -115,12 +120,14 @@ def _skinny_mm(x_ptr, w_ptr, out_ptr, g_ptr, M, N, K, stride_xm, stride_wn, stri
 @triton.jit
 def _row_mm(x_ptr, w_ptr, out_ptr, g_ptr, N, K, stride_wn, eps, divisor, ACCUMULATE: tl.constexpr,
             PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            EVEN_N: tl.constexpr):
+            EVEN_N: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
     """One row: ``BLOCK_N`` weight rows per program, products on the CUDA cores (a [BLOCK_N,
     BLOCK_K] float32 partial sum reduced once at the end), the prologue on the [BLOCK_K] slice of
     the row only (no padded rows)."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    triton_pdl.start(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn,
+                     w_ptr.dtype.element_ty.primitive_bitwidth // 8, PREFETCH_LINES, PDL)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
@@ -155,6 +162,15 @@ def _row_mm(x_ptr, w_ptr, out_ptr, g_ptr, N, K, stride_wn, eps, divisor, ACCUMUL
     tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+def _pdl_options(w: torch.Tensor, programs: int, block_n: int) -> dict:
+    """The PDL launch options (``triton_pdl``) of a launch of ``programs`` programs that stream
+    ``block_n`` rows of ``w`` each."""
+    if not triton_pdl.enabled(w.device):
+        return {"PDL": False, "PREFETCH_LINES": 0}
+    lines = triton_pdl.prefetch_lines(programs, block_n, w.shape[1] * w.element_size())
+    return {"PDL": True, "PREFETCH_LINES": lines, "launch_pdl": True}
+
+
 def launch_row(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulate: bool, block_n: int, block_k: int,
                num_warps: int, num_stages: int, prologue: int = PROLOGUE_NONE, g: torch.Tensor | None = None,
                eps: float = 0.0, divisor: float = 1.0) -> None:
@@ -163,10 +179,11 @@ def launch_row(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulat
     k = x.shape[1]
     n = w.shape[0]
     g = x if g is None else g
-    _row_mm[(triton.cdiv(n, block_n),)](
+    grid = triton.cdiv(n, block_n)
+    _row_mm[(grid,)](
         x, w, out, g, n, k, w.stride(0), float(eps), float(divisor), ACCUMULATE=accumulate, PROLOGUE=prologue,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **_pdl_options(w, grid, block_n))
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulate: bool, block_n: int, block_k: int,
@@ -182,8 +199,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulate: b
     m, k = x.shape
     n = w.shape[0]
     g = x if g is None else g
-    _skinny_mm[(triton.cdiv(n, block_n),)](
+    grid = triton.cdiv(n, block_n)
+    _skinny_mm[(grid,)](
         x, w, out, g, m, n, k, x.stride(0), w.stride(0), out.stride(0), g.stride(0) if g.dim() == 2 else 0,
         float(eps), float(divisor), ACCUMULATE=accumulate, PROLOGUE=prologue, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **_pdl_options(w, grid, block_n))

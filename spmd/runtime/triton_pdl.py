@@ -1,0 +1,111 @@
+"""Programmatic dependent launch (PDL) for spmd's Triton kernels, with an L2 prefetch of the weights.
+
+Imported only where Triton is installed. On Hopper and later a kernel launched with the
+programmatic-stream-serialisation attribute may start while the kernel before it on the stream
+is still finishing (CUDA programming guide, "Programmatic Dependent Launch and
+Synchronization"; PTX ``griddepcontrol``): the earlier kernel lets its dependents launch
+(``gdc_launch_dependents``, called first by every program here), and the later one waits for it
+to finish, with all its writes visible, at ``gdc_wait``. What a program does before its
+``gdc_wait`` overlaps the previous kernel's last wave: here that is an L2 prefetch of the first
+bytes of the weights it will stream (``prefetch.global.L2``), which reads nothing another
+kernel writes into registers and moves no data a later load could see stale (the L2 is the
+device's point of coherence). A decode step is a chain of memory-bound kernels, each with a
+tail where few SMs still run and HBM idles; this fills those tails (TensorRT-LLM launches its
+decode GEMV and attention kernels with PDL for the same reason).
+
+Every kernel launched with PDL must call ``gdc_wait`` before touching anything an earlier
+kernel wrote or reads, on every path: a kernel that skipped it could finish before its
+predecessor and break the stream order of the kernels after it.
+
+``SPMD_PDL=0`` turns it off (launches then are ordinary stream-ordered launches; results are
+bit-equal either way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: enabled() is False
+    gdc_launch_dependents = gdc_wait = None
+
+#: Bytes of weights the programs of one launch prefetch into L2 in all before their ``gdc_wait``:
+#: about what HBM moves in a kernel's tail (a few µs at ~4 TB/s), far below the L2's 50 MiB.
+PREFETCH_BUDGET_BYTES = 8 * 2**20
+LINE_BYTES = 128
+_local = threading.local()
+
+
+@functools.cache
+def _device_supports(index: int) -> bool:
+    if gdc_wait is None:
+        return False
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: a CUDA device of compute capability ≥ 9.0, a
+    Triton with ``gdc_wait``, ``SPMD_PDL`` not ``0`` and no ``disabled()`` block active.
+
+    Raises ValueError for an ``SPMD_PDL`` other than ``0`` / ``1``.
+    """
+    flag = os.environ.get("SPMD_PDL", "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"SPMD_PDL must be 0 or 1, got {flag!r}")
+    if flag == "0" or getattr(_local, "off", 0) or device.type != "cuda":
+        return False
+    return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def disabled():
+    """Launches made in this thread inside the block do not use PDL (a benchmark's baseline)."""
+    _local.off = getattr(_local, "off", 0) + 1
+    try:
+        yield
+    finally:
+        _local.off -= 1
+
+
+def prefetch_lines(programs: int, rows_per_program: int, row_bytes: int) -> int:
+    """128-byte lines each weight row of each program prefetches: ``PREFETCH_BUDGET_BYTES``
+    shared over ``programs × rows_per_program`` rows, a power of two, at most the row's lines
+    (0: no prefetch)."""
+    per_row = PREFETCH_BUDGET_BYTES // max(1, programs * rows_per_program * LINE_BYTES)
+    per_row = min(per_row, row_bytes // LINE_BYTES)
+    return 0 if per_row < 1 else 1 << (per_row.bit_length() - 1)
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Prefetch into L2 the line of every address in ``ptrs`` (any shape); no data is loaded."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(row_ptrs, ELEMENT_BYTES: tl.constexpr, LINES: tl.constexpr):
+    """Prefetch ``LINES`` 128-byte lines (a power of two, or 0: nothing) from each address in
+    the 1-D ``row_ptrs`` onward."""
+    if LINES > 0:
+        step: tl.constexpr = 128 // ELEMENT_BYTES  # LINE_BYTES
+        prefetch_l2(row_ptrs[:, None] + (tl.arange(0, LINES) * step)[None, :])
+
+
+@triton.jit
+def start(row_ptrs, ELEMENT_BYTES: tl.constexpr, LINES: tl.constexpr, PDL: tl.constexpr):
+    """A PDL kernel's first statement: let the next kernel launch, prefetch ``LINES`` lines from
+    each address in the 1-D ``row_ptrs`` (the starts of the weight rows this program streams),
+    then wait for the previous kernel. Nothing when not ``PDL``."""
+    if PDL:
+        gdc_launch_dependents()
+        prefetch_rows(row_ptrs, ELEMENT_BYTES, LINES)
+        gdc_wait()
