@@ -3,7 +3,7 @@
 #
 # Usage (from anywhere; it cds to the repository root):
 #   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | fuzz | cm | dispatch | onegpu | decode | train |
-#                                          smallar | all
+#                                          smallar | pdl | all
 #                                          (default: all)
 # Environment knobs:
 #   OUT=dir          where logs/results go (default /tmp/spmd_bench_out): run.log, gpu_tests.log,
@@ -18,6 +18,7 @@
 #   ONE_GPU_ARGS=..  extra options for benchmarks/one_gpu.py (e.g. "--rows llama2-2l-bf16-1x1")
 #   DECODE_ARGS=..   extra options for benchmarks/decode.py (e.g. "--batch 1 --rounds 2")
 #   TRAIN_ARGS=..    extra options for benchmarks/train.py (e.g. "--model gpt3 --layers 1")
+#   PDL_ARGS=..      extra options for benchmarks/probe/pdl_chain.py (e.g. "--batch 1 --layers 4")
 #   SMALLAR_ARGS=..  extra options for benchmarks/small_allreduce.py (e.g. "--sizes 4096 65536 --no-symm")
 #   FUZZ_N=400       random programs in the GPU slice of the differential tester (tests/fuzz/sweep.py)
 #   PYTEST_ARGS=...  extra options for pytest (e.g. "-k windowed")
@@ -48,13 +49,13 @@ selected=()
 for s in "${stages[@]}"; do
   case "$s" in
     all) selected+=(tests fuzz cm dispatch onegpu decode train smallar) ;;
-    env|tests|fuzz|cm|dispatch|onegpu|decode|train|smallar) selected+=("$s") ;;
-    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train, smallar or all"
+    env|tests|fuzz|cm|dispatch|onegpu|decode|train|smallar|pdl) selected+=("$s") ;;
+    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train, smallar, pdl or all"
        exit 2 ;;
   esac
 done
 
-declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2)
+declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2 [pdl]=1)
 # STAGE_WEIGHTS="decode=6,tests=2" overrides the shares of the time budget above.
 IFS=',' read -ra _weights <<< "${STAGE_WEIGHTS:-}"
 for kv in "${_weights[@]}"; do
@@ -143,6 +144,8 @@ for s in "${selected[@]}"; do
     # shellcheck disable=SC2086
     smallar) run_stage smallar "$secs" python3 -m benchmarks.small_allreduce "${TP_ARG[@]}" --symm --out "$OUT" \
           --doc docs/benchmarks.md ${SMALLAR_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    pdl) run_stage pdl "$secs" python3 -m benchmarks.probe.pdl_chain --doc docs/benchmarks.md ${PDL_ARGS:-} ;;
     fuzz) run_stage fuzz "$secs" python3 -m tests.fuzz.sweep --device cuda --n "${FUZZ_N:-400}" --seed "$RANDOM" \
           --budget-s $(( secs - 20 )) --out "$OUT/fuzz_gpu.json" ;;
   esac
