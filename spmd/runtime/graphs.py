@@ -275,6 +275,21 @@ class GraphRunner:
         self.disabled_detail = ""
         self._finalizer = weakref.finalize(self, backend.close)
 
+    def fork(self) -> GraphRunner:
+        """A runner of the same executable with its own bindings, graphs and output sets.
+
+        For another caller of the same compiled program (``Compiled.rebind``: equal programs
+        of two ``jit`` functions share one executable): each caller's arguments -- its own
+        weights -- stay adopted in its own graphs, instead of one runner staging (copying)
+        every weight on each call when the callers alternate. Calls of the two runners are
+        serialised by one lock (they share the executable's streams). The backend must have
+        ``fork()``; a runner disabled for good stays disabled.
+        """
+        other = GraphRunner(self.executable, self.options, self.backend.fork())
+        other._lock = self._lock
+        other.disabled_reason, other.disabled_detail = self.disabled_reason, self.disabled_detail
+        return other
+
     def __getattr__(self, name: str) -> Any:
         executable = self.__dict__.get("executable")
         if executable is None:
