@@ -1,5 +1,7 @@
 """spmd.Generator on one GPU: the decode step replays one CUDA graph, output sets rotate, tokens equal eager."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -46,6 +48,28 @@ def test_decode_steps_stage_no_cache_bytes():
     layer_shard_bytes = min(t.nbytes for k, _ in gen.kv for t in k._buffers)
     steps = [b - a for a, b in zip(seen, seen[1:])]
     assert steps and all(s < layer_shard_bytes for s in steps[1:]), (steps, layer_shard_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs compute capability 9.0")
+def test_programmatic_dependent_launch_changes_no_token():
+    """bf16 decode through spmd's Triton kernels launched with PDL gives the tokens of the same
+    programs launched without it (PDL reorders no write before a read)."""
+    pytest.importorskip("triton")
+    from spmd.runtime import triton_pdl
+
+    model = llama_lm(small=True, seed=3, device="cuda:0", dtype=torch.bfloat16)
+    mesh = spmd.Mesh.create(("tp",), devices="cuda:1")
+    prompts = [[5, 17, 3, 9]]
+    results = []
+    for pdl in (True, False):
+        with contextlib.nullcontext() if pdl else triton_pdl.disabled():
+            gen = Generator(model, mesh, max_batch=1, max_seq=48, prefill_len=8)
+            gen.generate(prompts, 4)  # compiles and captures
+            results.append(gen.generate(prompts, 40).tokens)
+            del gen
+    assert torch.equal(results[0], results[1])
 
 
 @pytest.mark.gpu
