@@ -110,9 +110,10 @@ class Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
 
         The executable, buffers and weight cache are shared -- except a CUDA-graph runner's
-        state: the new ``Compiled`` gets its own ``GraphRunner.fork()`` (bindings, graphs, output
-        sets), so two callers passing their own weights each keep them adopted instead of
-        staging every weight on every call. The argument structure, names, donation,
+        state: the new ``Compiled`` gets its own ``GraphRunner.fork()`` (bindings, donated static
+        buffers, graphs, output sets), so two callers passing their own weights each keep them
+        adopted instead of staging every weight on every call, and neither holds the other's
+        donated buffers. The argument structure, names, donation,
         ``reshard_inputs`` and the output shardings come from ``lowered`` (equal module texts
         may name their shardings differently: ``P("tp", None)`` and ``P(None, "tp")`` over a
         mesh axis of size 1 lay out alike). Returns ``self`` when ``lowered`` is the one it was

@@ -276,14 +276,12 @@ class GraphRunner:
         self._finalizer = weakref.finalize(self, backend.close)
 
     def fork(self) -> GraphRunner:
-        """A runner of the same executable with its own bindings, graphs and output sets.
+        """A runner of the same executable with its own bindings, static buffers, graphs and output sets.
 
-        For another caller of the same compiled program (``Compiled.rebind``: equal programs
-        of two ``jit`` functions share one executable): each caller's arguments -- its own
-        weights -- stay adopted in its own graphs, instead of one runner staging (copying)
-        every weight on each call when the callers alternate. Calls of the two runners are
-        serialised by one lock (they share the executable's streams). The backend must have
-        ``fork()``; a runner disabled for good stays disabled.
+        For another caller of one compiled program (``Compiled.rebind``): one shared runner fed two
+        callers' weights staged (copied) every weight on every call, and one caller holding the
+        donated static buffers made the other's calls eager. Calls of both runners take one lock
+        (they share the executable's streams). A runner disabled for good stays disabled.
         """
         other = GraphRunner(self.executable, self.options, self.backend.fork())
         other._lock = self._lock

@@ -52,7 +52,7 @@ class HostReplayBackend:
 
     def fork(self) -> HostReplayBackend:
         """A backend of the same executable with no captures (``GraphRunner.fork``)."""
-        return HostReplayBackend(self.executable)
+        return type(self)(self.executable)
 
     def synchronize(self) -> None:
         """Nothing to wait for on the host."""

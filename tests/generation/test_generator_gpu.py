@@ -76,7 +76,8 @@ def test_programmatic_dependent_launch_changes_no_token():
 def test_two_generators_of_one_model_keep_their_graphs_and_share_the_weights():
     """A second Generator of one model (same mesh) used to make the first one copy every weight into
     its graph inputs on every decode step (one graph runner shared through the compile cache, fed
-    two device copies of the weights); now both replay without staging weights, on one copy."""
+    two device copies of the weights, and the second ran its steps eagerly: the first held the
+    shared donated KV buffers); now both replay without staging weights, on one copy."""
     model = llama_lm(small=True, seed=4, device="cuda:0")
     mesh = spmd.Mesh.create(("tp",), devices="cuda:1")
     a = Generator(model, mesh, max_batch=2, max_seq=24, prefill_len=8)
@@ -93,6 +94,8 @@ def test_two_generators_of_one_model_keep_their_graphs_and_share_the_weights():
     for g in (a, b, one, a, b, one):  # compile, then capture
         g.generate(prompts[g], 4)
     staged = spmd.metrics.counter("cuda_graphs.staged.bytes")
+    held = spmd.metrics.counter("cuda_graphs.eager_call.donated_buffer_held")
+    held_before = held.value
     smallest_matrix = min(t.nbytes for arr in a.params.values() for t in arr._buffers if t.dim() == 2)
     for g in (a, b, a, one, b, a):
         seen = []
@@ -100,3 +103,4 @@ def test_two_generators_of_one_model_keep_their_graphs_and_share_the_weights():
         assert torch.equal(res.tokens, refs[g])
         steps = [y - x for x, y in zip(seen, seen[1:])]
         assert steps and all(s < smallest_matrix for s in steps), (steps, smallest_matrix)
+    assert held.value == held_before  # no decode step ran eagerly for a static buffer the other one holds

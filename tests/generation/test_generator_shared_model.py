@@ -1,8 +1,9 @@
 """Two ``spmd.Generator``s of one model and mesh, through the graph runner on CPU (``HostReplayBackend``).
 
 Interleaved ``generate`` calls of both give the reference tokens, every weight is placed on the
-mesh once, and decode steps stage (copy into graph inputs) no weight bytes: each Generator's
-graphs keep reading the shared weights in place.
+mesh once, decode steps stage (copy into graph inputs) no weight bytes -- each Generator's graphs
+keep reading the shared weights in place -- and replay: no step runs eagerly because the other
+Generator holds a donated static buffer (both used to share one graph runner and its buffers).
 """
 
 import sys
@@ -16,6 +17,8 @@ from spmd.generation.reference import reference_generate
 from spmd.models.llama_lm import llama_lm
 from spmd.runtime import graphs
 from spmd.runtime.graphs import GraphOptions, GraphRunner, HostReplayBackend
+
+_HELD = spmd.metrics.counter("cuda_graphs.eager_call.donated_buffer_held")
 
 
 @pytest.fixture(autouse=True)
@@ -55,13 +58,14 @@ def test_two_generators_of_one_model_interleave_without_restaging_weights():
     # each program's first call runs eagerly, the second captures: warm both up, then interleave
     for g in (a, b, small, a, b, small):
         assert torch.equal(g.generate(prompts[g], new).tokens, refs[g])
-    runs = prologue_runs.value
+    runs, held = prologue_runs.value, _HELD.value
     for g in (a, b, a, small, b, a):
         tokens, steps = _generate_counting(g, prompts[g], new)
         assert torch.equal(tokens, refs[g])
         # later decode steps stage a few token-sized arrays, never a weight
         assert steps and all(s < weight_bytes for s in steps), (steps, weight_bytes)
     assert prologue_runs.value == runs  # the hoisted weight values are not recomputed either
+    assert _HELD.value == held
 
 
 def test_generators_of_two_models_of_one_shape_keep_their_own_weights_adopted():
@@ -76,7 +80,9 @@ def test_generators_of_two_models_of_one_shape_keep_their_own_weights_adopted():
     weight_bytes = min(t.nbytes for arr in gens[0].params.values() for t in arr._buffers)
     for g, ref in [*zip(gens, refs)] * 2:  # warm-up and capture
         assert torch.equal(g.generate(prompt, new).tokens, ref)
+    held = _HELD.value
     for g, ref in [*zip(gens, refs)] * 2:
         tokens, steps = _generate_counting(g, prompt, new)
         assert torch.equal(tokens, ref)
         assert steps and all(s < weight_bytes for s in steps), (steps, weight_bytes)
+    assert _HELD.value == held
