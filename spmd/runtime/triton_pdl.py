@@ -17,8 +17,10 @@ Every kernel launched with PDL must call ``gdc_wait`` before touching anything a
 kernel wrote or reads, on every path: a kernel that skipped it could finish before its
 predecessor and break the stream order of the kernels after it.
 
-``SPMD_PDL=0`` turns it off (launches then are ordinary stream-ordered launches; results are
-bit-equal either way).
+Off by default: ``SPMD_PDL=1`` turns it on (results are bit-equal either way). Measured on one
+H200 (Llama-2-7B, 32 layers, bf16, batch 1, docs/benchmarks.md 2026-12-02): the decode step took
+4.237 ms with it against 3.937 ms without (1.18x against 1.25x ``torch.compile`` in the same
+runs), and the isolated skinny products 0.5-1 µs longer; where the time goes was not profiled.
 """
 
 from __future__ import annotations
@@ -52,12 +54,12 @@ def _device_supports(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: a CUDA device of compute capability ≥ 9.0, a
-    Triton with ``gdc_wait``, ``SPMD_PDL`` not ``0`` and no ``disabled()`` block active.
+    """Whether launches on ``device`` use PDL: ``SPMD_PDL=1``, a CUDA device of compute
+    capability ≥ 9.0, a Triton with ``gdc_wait`` and no ``disabled()`` block active.
 
     Raises ValueError for an ``SPMD_PDL`` other than ``0`` / ``1``.
     """
-    flag = os.environ.get("SPMD_PDL", "1")
+    flag = os.environ.get("SPMD_PDL", "0")
     if flag not in ("0", "1"):
         raise ValueError(f"SPMD_PDL must be 0 or 1, got {flag!r}")
     if flag == "0" or getattr(_local, "off", 0) or device.type != "cuda":

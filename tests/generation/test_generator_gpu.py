@@ -53,12 +53,13 @@ def test_decode_steps_stage_no_cache_bytes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0")
-def test_programmatic_dependent_launch_changes_no_token():
+def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
     """bf16 decode through spmd's Triton kernels launched with PDL gives the tokens of the same
     programs launched without it (PDL reorders no write before a read)."""
     pytest.importorskip("triton")
     from spmd.runtime import triton_pdl
 
+    monkeypatch.setenv("SPMD_PDL", "1")
     model = llama_lm(small=True, seed=3, device="cuda:0", dtype=torch.bfloat16)
     mesh = spmd.Mesh.create(("tp",), devices="cuda:1")
     prompts = [[5, 17, 3, 9]]

@@ -28,8 +28,10 @@ def test_prefetch_lines_share_the_budget_and_stay_inside_the_row():
         assert lines == 0 or (lines & (lines - 1) == 0 and programs * rows * lines <= budget_lines)
 
 
-def test_cpu_devices_and_the_disabled_block_do_not_use_pdl(monkeypatch):
+def test_pdl_is_off_by_default_and_never_on_cpu(monkeypatch):
     monkeypatch.delenv("SPMD_PDL", raising=False)
+    assert not triton_pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("SPMD_PDL", "1")
     assert not triton_pdl.enabled(torch.device("cpu"))
     with triton_pdl.disabled():
         assert not triton_pdl.enabled(torch.device("cuda", 0))
@@ -65,7 +67,8 @@ def _chain(x, weights, norm_weight, up, q, k, v, mask):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("rows", [1, 8])
-def test_a_chain_of_pdl_kernels_equals_the_same_chain_without_pdl(rows):
+def test_a_chain_of_pdl_kernels_equals_the_same_chain_without_pdl(rows, monkeypatch):
+    monkeypatch.setenv("SPMD_PDL", "1")
     g = torch.Generator(device="cuda").manual_seed(rows)
     dt = torch.bfloat16
 
