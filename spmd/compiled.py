@@ -109,7 +109,11 @@ class Compiled:
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
 
-        The executable and buffers are shared; the argument structure, names, donation,
+        The executable, buffers and weight cache are shared -- except a CUDA-graph runner's
+        state: the new ``Compiled`` gets its own ``GraphRunner.fork()`` (bindings, donated static
+        buffers, graphs, output sets), so two callers passing their own weights each keep them
+        adopted instead of staging every weight on every call, and neither holds the other's
+        donated buffers. The argument structure, names, donation,
         ``reshard_inputs`` and the output shardings come from ``lowered`` (equal module texts
         may name their shardings differently: ``P("tp", None)`` and ``P(None, "tp")`` over a
         mesh axis of size 1 lay out alike). Returns ``self`` when ``lowered`` is the one it was
@@ -118,7 +122,10 @@ class Compiled:
         if lowered is self.lowered:
             return self
         shardings, shapes, dtypes = output_layout(lowered)
-        return Compiled(lowered, self.executable, shardings, shapes, dtypes, self.buffers, self.weight_cache)
+        ex = self.executable
+        if hasattr(type(ex), "fork") and hasattr(type(ex.backend), "fork"):
+            ex = ex.fork()
+        return Compiled(lowered, ex, shardings, shapes, dtypes, self.buffers, self.weight_cache)
 
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""

@@ -1,7 +1,9 @@
-"""spmd.compiled: the executable bound on first run is safe to call from several threads at once."""
+"""spmd.compiled: the executable bound on first run is safe to call from several threads at once; a
+process-wide cache hit shares the executable but not a CUDA-graph runner's bindings."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -9,6 +11,8 @@ import torch
 import spmd
 from spmd import Mesh
 from spmd import PartitionSpec as P
+from spmd.runtime import graphs
+from spmd.runtime.graphs import GraphOptions, GraphRunner, HostReplayBackend
 
 
 class _SlowToBind:
@@ -45,3 +49,28 @@ def test_first_runs_from_two_threads_both_bind_the_executable():
         worker.join(60)
     torch.testing.assert_close(second.to_torch(), x * 2 + 1)
     torch.testing.assert_close(first[0].to_torch(), x * 2 + 1)
+
+
+def test_equal_programs_of_two_jit_functions_keep_their_own_weights_adopted(monkeypatch):
+    """Two ``jit`` functions compiling one program share its executable (process-wide cache); each
+    calling with its own weight used to make the one shared graph runner stage (copy) the weight
+    on every call once the callers alternated. ``Compiled.rebind`` forks the runner instead."""
+    monkeypatch.setattr(graphs, "maybe_graph", lambda executable, options=None, graph_options=None: GraphRunner(
+        executable, GraphOptions(), backend=HostReplayBackend(executable)))
+    monkeypatch.setattr(sys.modules["spmd.jit"], "_GLOBAL_CACHE", {})
+    mesh = Mesh.create(("tp",), devices="cpu:2")
+    fns = [spmd.jit(lambda x, w: x @ w, mesh=mesh, in_shardings=(P(), P(None, "tp")), out_shardings=P())
+           for _ in range(2)]
+    weights = [spmd.device_put(torch.randn(16, 64), spmd.NamedSharding(mesh, P(None, "tp"))) for _ in fns]
+    x = spmd.device_put(torch.randn(3, 16), spmd.NamedSharding(mesh, P()))
+    staged = spmd.metrics.counter("cuda_graphs.staged.bytes")
+    for _ in range(2):  # first call eager, second captures
+        for f, w in zip(fns, weights, strict=True):
+            f(x, w)
+    runners = [next(iter(f._cache.values())).executable for f in fns]
+    assert runners[0] is not runners[1] and runners[0].executable is runners[1].executable
+    before = staged.value
+    for _ in range(3):
+        for f, w in zip(fns, weights, strict=True):
+            torch.testing.assert_close(f(x, w).to_torch(), x.to_torch() @ w.to_torch())
+    assert staged.value == before  # x and each function's weight stay adopted: nothing is copied

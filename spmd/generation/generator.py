@@ -29,6 +29,7 @@ import torch
 
 from spmd import metrics
 from spmd.array import device_put
+from spmd.generation.placement import place_params
 from spmd.generation.sampling import Sampling, initial_rng_state, sample
 from spmd.jit import jit
 from spmd.mesh import Mesh
@@ -111,7 +112,8 @@ class Generator:
 
     Args:
       model: a ``spmd.models.llama_lm.LlamaForCausalLM`` (its parameters are copied to the mesh
-        once, sharded by ``llama_lm_plan`` over mesh axis ``"tp"`` when the mesh has one).
+        once, sharded by ``llama_lm_plan`` over mesh axis ``"tp"`` when the mesh has one; Generators
+        of one unchanged model on one mesh share that copy, see ``spmd.generation.placement``).
       mesh: the device mesh; axis ``"dp"`` (if present) splits the batch, ``"tp"`` the heads.
       max_batch: sequences in the cache (prompts beyond it are a ValueError; fewer are padded).
       max_seq: cache slots per sequence (prompt length + new tokens - 1 must fit).
@@ -146,9 +148,9 @@ class Generator:
         else:
             specs = {fqn: PartitionSpec() for fqn, _ in model.named_parameters()}
         self.param_specs = specs
-        named = dict(model.named_parameters())
-        with torch.no_grad():
-            self.params = {fqn: device_put(named[fqn].detach(), NamedSharding(mesh, s)) for fqn, s in specs.items()}
+        # placed once per model, mesh and plan: Generators of one model share the device weights
+        self._placed = place_params(model, {fqn: NamedSharding(mesh, s) for fqn, s in specs.items()})
+        self.params = dict(self._placed.arrays)
         kv_heads_axis = tp if tp and cfg.num_kv_heads % tp_size == 0 else None
         self.kv_sharding = NamedSharding(mesh, PartitionSpec(self.dp, kv_heads_axis, None, None))
         self._batch = NamedSharding(mesh, PartitionSpec(self.dp))

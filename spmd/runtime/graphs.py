@@ -275,6 +275,19 @@ class GraphRunner:
         self.disabled_detail = ""
         self._finalizer = weakref.finalize(self, backend.close)
 
+    def fork(self) -> GraphRunner:
+        """A runner of the same executable with its own bindings, static buffers, graphs and output sets.
+
+        For another caller of one compiled program (``Compiled.rebind``): one shared runner fed two
+        callers' weights staged (copied) every weight on every call, and one caller holding the
+        donated static buffers made the other's calls eager. Calls of both runners take one lock
+        (they share the executable's streams). A runner disabled for good stays disabled.
+        """
+        other = GraphRunner(self.executable, self.options, self.backend.fork())
+        other._lock = self._lock
+        other.disabled_reason, other.disabled_detail = self.disabled_reason, self.disabled_detail
+        return other
+
     def __getattr__(self, name: str) -> Any:
         executable = self.__dict__.get("executable")
         if executable is None:

@@ -158,6 +158,10 @@ class CudaGraphBackend:
         self._key: tuple | None = None
         self._streams: list[Any] | None = None
 
+    def fork(self) -> CudaGraphBackend:
+        """A backend of the same executable, modes and streams, with no captures and its own pools."""
+        return type(self)(self.ex, self.mode, self.split)
+
     def synchronize(self) -> None:
         """Wait for all work of every local device (never during another thread's capture)."""
         with CAPTURE_LOCK:

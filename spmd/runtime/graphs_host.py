@@ -50,6 +50,10 @@ class HostReplayBackend:
         self.executable = executable
         self.num_launches = 0
 
+    def fork(self) -> HostReplayBackend:
+        """A backend of the same executable with no captures (``GraphRunner.fork``)."""
+        return type(self)(self.executable)
+
     def synchronize(self) -> None:
         """Nothing to wait for on the host."""
 

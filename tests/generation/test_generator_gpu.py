@@ -71,3 +71,37 @@ def test_programmatic_dependent_launch_changes_no_token(monkeypatch):
             results.append(gen.generate(prompts, 40).tokens)
             del gen
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.gpu
+def test_two_generators_of_one_model_keep_their_graphs_and_share_the_weights():
+    """A second Generator of one model (same mesh) used to make the first one copy every weight into
+    its graph inputs on every decode step (one graph runner shared through the compile cache, fed
+    two device copies of the weights, and the second ran its steps eagerly: the first held the
+    shared donated KV buffers); now both replay without staging weights, on one copy."""
+    model = llama_lm(small=True, seed=4, device="cuda:0")
+    mesh = spmd.Mesh.create(("tp",), devices="cuda:1")
+    a = Generator(model, mesh, max_batch=2, max_seq=24, prefill_len=8)
+    allocated = torch.cuda.memory_allocated()
+    b = Generator(model, mesh, max_batch=2, max_seq=24, prefill_len=8)
+    one = Generator(model, mesh, max_batch=1, max_seq=24, prefill_len=8)
+    weight_bytes = sum(t.nbytes for arr in a.params.values() for t in arr._buffers)
+    assert torch.cuda.memory_allocated() - allocated < weight_bytes  # only the KV caches are new
+    prompts = {a: [[5, 17, 3], [11, 2, 9, 4, 1, 1, 7, 8]], b: [[7, 1], [3, 30, 8, 2]], one: [[9, 4, 6]]}
+    refs = {}
+    for g, p in prompts.items():
+        tokens, start = g.pad_prompts(p)
+        refs[g] = reference_generate(model, tokens, start, 12, 24)[0][:len(p)].cpu()
+    for g in (a, b, one, a, b, one):  # compile, then capture
+        g.generate(prompts[g], 4)
+    staged = spmd.metrics.counter("cuda_graphs.staged.bytes")
+    held = spmd.metrics.counter("cuda_graphs.eager_call.donated_buffer_held")
+    held_before = held.value
+    smallest_matrix = min(t.nbytes for arr in a.params.values() for t in arr._buffers if t.dim() == 2)
+    for g in (a, b, a, one, b, a):
+        seen = []
+        res = g.generate(prompts[g], 12, progress=lambda _, seen=seen: seen.append(staged.value))
+        assert torch.equal(res.tokens, refs[g])
+        steps = [y - x for x, y in zip(seen, seen[1:])]
+        assert steps and all(s < smallest_matrix for s in steps), (steps, smallest_matrix)
+    assert held.value == held_before  # no decode step ran eagerly for a static buffer the other one holds

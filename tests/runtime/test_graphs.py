@@ -302,6 +302,28 @@ def test_capture_failure_falls_back_to_eager(mlp_prog, caplog):
     assert len(msgs) == 1 and "not permitted" in msgs[0]
 
 
+def test_fork_binds_its_own_weights_and_keeps_a_disabled_runner_disabled(mlp_prog):
+    compiled, (xs, w1s, w2s) = mlp_prog
+    first = _runner(compiled)
+    second = first.fork()
+    assert second.executable is first.executable and second.backend is not first.backend
+    assert second._lock is first._lock  # the executable's streams are shared: calls stay serialised
+    ws = [(torch.randn(w1s), torch.randn(w2s)) for _ in range(2)]
+    bound = [shards(compiled, [torch.randn(xs), w1, w2])[1:] for w1, w2 in ws]
+    for _ in range(4):  # eager, capture, then replays: the callers alternate, each with its own weights
+        for r, (w1, w2), (w1b, w2b) in zip((first, second), ws, bound, strict=True):
+            x = torch.randn(xs)
+            out, _ = r.run([shards(compiled, [x, w1, w2])[0], w1b, w2b])
+            torch.testing.assert_close(global_out(compiled, out[0], x), mlp(x, w1, w2), rtol=1e-5, atol=1e-5)
+    for r in (first, second):  # only x is staged; each runner reads its weights in place
+        assert [b is None for b in r.input_buffers()] == [False, True, True]
+    assert _counter("cuda_graphs.recapture") == 0
+    ex = unwrap(compiled.executable)
+    failed = GraphRunner(ex, backend=_FailingBackend(ex))
+    failed.disabled_reason = "capture_error"
+    assert failed.fork().disabled_reason == "capture_error"
+
+
 def test_trace_runs_eagerly_and_bad_args_raise(mlp_prog):
     from spmd.runtime.trace_events import TraceRecorder
 
