@@ -109,11 +109,14 @@ class Compiled:
     def rebind(self, lowered) -> Compiled:
         """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
 
-        The executable, buffers and weight cache are shared -- except a CUDA-graph runner's
+        The executable and buffers are shared -- except a CUDA-graph runner's
         state: the new ``Compiled`` gets its own ``GraphRunner.fork()`` (bindings, donated static
         buffers, graphs, output sets), so two callers passing their own weights each keep them
         adopted instead of staging every weight on every call, and neither holds the other's
-        donated buffers. The argument structure, names, donation,
+        donated buffers. For another ``jit`` the new ``Compiled`` gets its own ``WeightCache.fork()``
+        too (of one ``jit`` it shares the cache): it shares the hoisted values only while both pass
+        the same weights, instead of recomputing them whenever the other ran. The argument
+        structure, names, donation,
         ``reshard_inputs`` and the output shardings come from ``lowered`` (equal module texts
         may name their shardings differently: ``P("tp", None)`` and ``P(None, "tp")`` over a
         mesh axis of size 1 lay out alike). Returns ``self`` when ``lowered`` is the one it was
@@ -125,7 +128,10 @@ class Compiled:
         ex = self.executable
         if hasattr(type(ex), "fork") and hasattr(type(ex.backend), "fork"):
             ex = ex.fork()
-        return Compiled(lowered, ex, shardings, shapes, dtypes, self.buffers, self.weight_cache)
+        cache = self.weight_cache
+        if cache is not None and lowered.jitted is not self.lowered.jitted:
+            cache = cache.fork()
+        return Compiled(lowered, ex, shardings, shapes, dtypes, self.buffers, cache)
 
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""
@@ -264,8 +270,8 @@ class Compiled:
             if events is not None:
                 events += [self._no_events] * len(hoisted)
         out_buffers, ready = self._run(buffers, events, self._donated)
-        if cache is not None and cache.copy_into:
-            cache.last_ready = ready
+        if cache is not None:  # a refresh in place by any program sharing the values waits for this call
+            cache.note_call(ready)
         if self._donated:
             self._kill_donated(args, arrays)
         if ready[0] is None:
@@ -442,9 +448,11 @@ def compile_module(lowered) -> Compiled:
     cache = None
     prologue = lowered.result.prologue
     if prologue is not None:
+        from spmd.runtime.prologue_registry import shared_prologue
         from spmd.runtime.weight_cache import WeightCache
 
-        cache = WeightCache(Executable(prologue, mesh, assign_buffers(prologue)), lowered.result.prologue_inputs)
+        shared = shared_prologue(prologue, mesh, lambda m: Executable(m, mesh, assign_buffers(m)))
+        cache = WeightCache(shared, lowered.result.prologue_inputs)
     shardings, shapes, dtypes = output_layout(lowered)
     return Compiled(lowered, executable, shardings, shapes, dtypes, buffers, cache)
 

@@ -6,8 +6,11 @@ hlo_constant_folding.cc) and JAX hoists parameter-only work out of loops (``whil
 invariant code motion``); inference servers pre-pack weights once (TensorRT, FasterTransformer's
 fused QKV weights). Here the entry computation is split in two:
 
-- the **prologue**: a module with the entry's parameters (all of them, same numbers) whose root
-  is a tuple of the *hoisted values*;
+- the **prologue**: a module whose parameters are the entry's parameters the hoisted values
+  read (only those, renumbered from 0 in the entry's order: ``WeightSplit.inputs`` maps them
+  back) and whose root is a tuple of the *hoisted values*. Programs that hoist the same values
+  from the same weights (a ``Generator``'s prefill and decode) so get equal prologues, which the
+  runtime shares (``spmd.runtime.prologue_registry``);
 - the **main** program: the entry with each hoisted value replaced by a new parameter, numbered
   after the original ones in hoisted order; the work that only fed hoisted values is dropped.
 
@@ -41,7 +44,12 @@ after, the main program::
     %c.hoisted = f32[8,12] parameter(3)
     %m = f32[4,12] dot(%x, %c.hoisted), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 
-and the prologue ``ROOT %hoisted = (f32[8,12]) tuple(%c)`` after the concatenation.
+and the prologue, of the two weights it reads (``inputs`` (1, 2))::
+
+    %wq = f32[8,6] parameter(0)
+    %wk = f32[8,6] parameter(1)
+    %c = f32[8,12] concatenate(%wq, %wk), dimensions={1}
+    ROOT %hoisted = (f32[8,12]) tuple(%c)
 
 Constant-only values that cost kernels are hoisted too when the pass has weights (the
 prologue then computes them once per weight version, XLA's constant folding on the device):
@@ -88,7 +96,8 @@ class WeightSplit:
     main: the per-call module (the input module, rewritten in place).
     prologue: the module computing the hoisted values, or None when nothing is hoisted.
     hoisted: names of the hoisted values (the main program's new parameters, in order).
-    inputs: parameter numbers the prologue reads (the key of its cache).
+    inputs: the main program's parameter numbers the prologue reads, in the prologue's parameter
+      order (prologue parameter k is main parameter ``inputs[k]``; the key of its cache).
     """
 
     main: Module
@@ -138,9 +147,7 @@ class HoistWeights:
                        and _pays(inst, kinds)) or id(inst) in consts]
         if not hoisted:
             return WeightSplit(module)
-        prologue = _prologue(module, hoisted)
-        inputs = tuple(sorted(p.attrs["parameter_number"] for p in prologue.entry.instructions
-                              if p.opcode == "parameter" and _used(p, prologue)))
+        prologue, inputs = _prologue(module, hoisted)
         names = _replace_with_parameters(module, hoisted)
         return WeightSplit(module, prologue, names, inputs)
 
@@ -209,14 +216,20 @@ def _hoisted_constants(comp, kinds: dict[Instruction, str], users: dict, outputs
             and id(inst) not in per_device and reaches_call(inst)}
 
 
-def _prologue(module: Module, hoisted: list[Instruction]) -> Module:
-    """A module computing ``hoisted`` from the entry's parameters (root: a tuple of them)."""
+def _prologue(module: Module, hoisted: list[Instruction]) -> tuple[Module, tuple[int, ...]]:
+    """A module computing ``hoisted`` from the parameters they read (root: a tuple of them), and
+    the entry's parameter numbers of its parameters (prologue parameter k is entry parameter inputs[k])."""
     needed = ancestor_ids(hoisted)
-    names = {inst.name for inst in module.entry.instructions if id(inst) in needed or inst.opcode == "parameter"}
+    names = {inst.name for inst in module.entry.instructions if id(inst) in needed}
     pro = clone_module(module)
     pro.name = f"{module.name}.prologue"
     comp = pro.entry
     comp.instructions = [inst for inst in comp.instructions if inst.name in names]
+    params = sorted((i for i in comp.instructions if i.opcode == "parameter"),
+                    key=lambda i: i.attrs["parameter_number"])
+    inputs = tuple(p.attrs["parameter_number"] for p in params)
+    for k, p in enumerate(params):
+        p.attrs["parameter_number"] = k
     by_name = {inst.name: inst for inst in comp.instructions}
     elements = [by_name[h.name] for h in hoisted]
     root = Instruction(pro.fresh_name("hoisted"), "tuple", Shape.tuple([e.shape for e in elements]), elements)
@@ -227,7 +240,7 @@ def _prologue(module: Module, hoisted: list[Instruction]) -> Module:
             inst.stream_id = 0
     called = _called(comp.instructions)
     pro.computations = [c for c in pro.computations if id(c) in called]
-    return pro
+    return pro, inputs
 
 
 def _called(instructions: list[Instruction]) -> set[int]:
@@ -240,10 +253,6 @@ def _called(instructions: list[Instruction]) -> set[int]:
             out.add(id(c))
             stack.extend(cc for inst in c.instructions for cc in inst.called_computations())
     return out
-
-
-def _used(param: Instruction, module: Module) -> bool:
-    return any(param in inst.operands for inst in module.entry.instructions)
 
 
 def _replace_with_parameters(module: Module, hoisted: list[Instruction]) -> tuple[str, ...]:

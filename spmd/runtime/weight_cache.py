@@ -1,10 +1,19 @@
 """The device cache of hoisted weight values: the prologue runs once per weight version.
 
 ``spmd.passes.hoist_weights`` splits a program into a *prologue* (values computed only from
-weights) and the per-call main program, which takes the prologue's outputs as extra
-parameters. A ``WeightCache`` holds the prologue's ``Executable`` and its last outputs, and
-gives every call the outputs for the weights that call passes, running the prologue again
-only when they changed.
+weights; its parameters are the weights it reads) and the per-call main program, which takes
+the prologue's outputs as extra parameters. A ``WeightCache`` (one per compiled program) gives
+every call the outputs for the weights that call passes, running the prologue again only when
+they changed.
+
+Sharing: programs whose prologues compute the same values on the same mesh share one
+``SharedPrologue`` (``spmd.runtime.prologue_registry``: a ``Generator``'s prefill and decode,
+Generators of one model for other batch sizes), and programs that pass it the same weight
+arguments share one ``HoistedValues``: one copy of the hoisted values on the devices and one
+prologue run per weight version for all of them. A program given other weights (another
+model, replaced arrays) moves to the values of those weights, or to new values of its own;
+values it held alone are re-keyed and refreshed in place instead (the tensors it captured stay
+valid). Values no program holds any more are freed (the registry holds weak references).
 
 Cache key (checked on every call, a few hundred ns per weight and device): for every argument
 the prologue reads, the object the caller passed (a ``ShardedArray``, or a ``torch.Tensor``
@@ -18,25 +27,31 @@ bumps (``copy_``, ``add_``, an ``out=`` kernel, a write through a view such as
 deleted array cannot be passed; one made from its buffers is another object), a buffer given
 new storage, and an in-place update of a buffer. Writes PyTorch does not see (a CUDA graph
 replay or NCCL writing into a tensor, writes through ``Tensor.numpy()``) are not noticed; the
-arrays ``spmd`` hands out never receive them.
+arrays ``spmd`` hands out never receive them. An in-place update seen by one program refreshes
+the shared values for all of them: the others pass the same (updated) objects.
 
-Memory: one entry per executable, the hoisted values of the latest weight version (their
-per-device bytes are ``WeightCache.size_bytes``); a new version replaces it. Merged weights
-are thus held twice (the arguments and their concatenation): the price of not concatenating
-on every call.
+Memory: per weight set, the hoisted values of its latest version (per-device bytes:
+``WeightCache.size_bytes``), once for every program sharing them. Merged weights are thus held
+twice (the arguments and their concatenation): the price of not concatenating on every call.
 
 CUDA graphs: with a ``GraphRunner`` the hoisted values are captured as adopted inputs (the same
-tensors on every call). A refresh then writes the new values *into* the cached tensors
-(``copy_`` on each device's current stream, after the prologue and after the previous call's
-ready events), so the captured graphs stay valid and nothing is captured again. Without
-graphs the new outputs simply replace the old ones (the previous call keeps its own
-references until its work is done).
+tensors on every call). When any program sharing the values has set ``copy_into``, a refresh
+writes the new values *into* the cached tensors (``copy_`` on each device's current stream),
+so every sharer's captured graphs stay valid and nothing is captured again. Ordering of an
+in-place refresh: the refreshing thread's current streams first wait for the prologue and for
+the last call of *every* program reading the values (``WeightCache.note_call`` keeps each
+program's last ready events; a graph replay, which returns none, gets an event recorded on
+the caller's current stream), so no in-flight read of another program sees a half-written
+value; each program's next call, on whatever thread, first makes its current streams wait for
+the refresh's events (recorded after the copies). Without graphs the new outputs simply
+replace the old ones (calls in flight keep their own references until their work is done).
+Updating weights in place while a call that reads them is being issued is the caller's race,
+as in PyTorch.
 """
 
 from __future__ import annotations
 
 import operator
-import threading
 import weakref
 from collections.abc import Sequence
 from itertools import chain, repeat
@@ -46,47 +61,110 @@ import torch
 
 from spmd import metrics
 from spmd.array import ShardedArray
+from spmd.runtime.prologue_registry import SharedPrologue
 
 Tensor = torch.Tensor
 _VERSION = operator.attrgetter("_version")
 _PTR = torch.Tensor.data_ptr
 _DEREF = getattr(operator, "call", weakref.ref.__call__)  # a weak reference's referent (C-level)
 _RUNS = metrics.counter("hoist.prologue_runs")
+_SHARED = metrics.counter("hoist.shared_hits")
 
 
-class WeightCache:
-    """The hoisted values of one executable, keyed by the identity and version of the weights.
+class HoistedValues:
+    """The hoisted values of one set of weight arguments (latest version), shared by programs.
 
-    Args:
-      prologue: the ``Executable`` of the prologue module (parameters: the main program's
-        original parameters; outputs: the hoisted values, padded shard shapes per device).
-      inputs: the parameter numbers the prologue reads (the weights of the key).
-      copy_into: refresh by writing into the cached tensors (needed when the main program is
-        a CUDA-graph ``GraphRunner`` that captured them); else replace them.
     Attributes:
-      runs: how many times the prologue ran (also the ``hoist.prologue_runs`` metrics counter).
-    Thread-safe: the check and the refresh hold a lock.
+      values: ``[value][device]`` tensors, or None before the first run.
+      ready: per local device, the event after the last refresh (None entries on CPU), or None.
+      generation: how many times the values were (re)computed.
+      readers: the ``WeightCache``s whose last call read these values (weak set).
+    All access holds the owning ``SharedPrologue.lock``.
     """
 
-    def __init__(self, prologue: Any, inputs: Sequence[int], copy_into: bool = False) -> None:
-        self.prologue = prologue
-        self.inputs = tuple(inputs)
-        self.copy_into = copy_into
-        self.runs = 0
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
+        self.values: list[list[Tensor]] | None = None
+        self.ready: Sequence[Any] | None = None
+        self.generation = 0
+        self.readers: weakref.WeakSet = weakref.WeakSet()
         self._arg_refs: list[weakref.ref] = []
         self._tensor_refs: list[weakref.ref] = []
-        self._pick = (operator.itemgetter(*self.inputs) if len(self.inputs) > 1
-                      else _single(self.inputs[0]) if self.inputs else _none)
         self._versions: list[int] = []
         self._ptrs: list[int] = []  # data_ptr of each buffer: ``t.data = other`` swaps storage, not _version
-        self._values: list[list[Tensor]] | None = None
-        self.last_ready: Sequence[Any] | None = None  # the main program's ready events (GPU, copy_into)
 
     @property
     def size_bytes(self) -> int:
-        """Device bytes the cached values hold, summed over local devices (0 before the first call)."""
-        return sum(t.numel() * t.element_size() for per in self._values or () for t in per)
+        """Device bytes of the values, summed over local devices (0 before the first run)."""
+        return sum(t.numel() * t.element_size() for per in self.values or () for t in per)
+
+    def same_args(self, picked: Sequence[Any]) -> bool:
+        """Whether the values were last computed for these argument objects (any version)."""
+        return len(picked) == len(self._arg_refs) and all(map(operator.is_, map(_DEREF, self._arg_refs), picked))
+
+    def matches(self, picked: Sequence[Any], tensors: list[Tensor]) -> bool:
+        """Whether the values are current for these arguments and buffers (C-level loops)."""
+        return (self.values is not None and len(tensors) == len(self._tensor_refs)
+                and all(map(operator.is_, map(_DEREF, self._arg_refs), picked))
+                and all(map(operator.is_, map(_DEREF, self._tensor_refs), tensors))
+                and list(map(_VERSION, tensors)) == self._versions
+                and list(map(_PTR, tensors)) == self._ptrs)
+
+    def key_on(self, picked: Sequence[Any], tensors: list[Tensor]) -> None:
+        """Record ``picked`` / ``tensors`` (weakly) and their addresses and versions as the key."""
+        self._arg_refs = [weakref.ref(a) for a in picked]
+        self._tensor_refs = [weakref.ref(t) for t in tensors]
+        self._versions = list(map(_VERSION, tensors))
+        self._ptrs = list(map(_PTR, tensors))
+
+
+class WeightCache:
+    """The hoisted values one compiled program passes to its calls, keyed by the weights' identity and version.
+
+    Args:
+      prologue: the prologue's ``Executable`` (parameters: the weights it reads, in the order of
+        ``inputs``; outputs: the hoisted values, padded shard shapes per device), or the
+        ``SharedPrologue`` holding it (``spmd.runtime.prologue_registry.shared_prologue``: then
+        programs with equal prologues share their values; an ``Executable`` shares nothing).
+      inputs: the program's parameter numbers the prologue reads, in prologue parameter order.
+      copy_into: refresh by writing into the cached tensors (needed when the main program is
+        a CUDA-graph ``GraphRunner`` that captured them); else replace them. Values shared with
+        a program that set it are refreshed in place for all.
+    Attributes:
+      runs: how many times this program ran the prologue (all programs: ``shared.runs`` and the
+        ``hoist.prologue_runs`` metrics counter; a program finding values another computed for
+        the same weights counts ``hoist.shared_hits``).
+      last_ready: the ready events of this program's last call (``note_call``).
+    Thread-safe: the check and the refresh hold the shared prologue's lock.
+    """
+
+    def __init__(self, prologue: Any, inputs: Sequence[int], copy_into: bool = False) -> None:
+        self.shared = prologue if isinstance(prologue, SharedPrologue) else SharedPrologue(prologue)
+        self.prologue = self.shared.executable
+        self.inputs = tuple(inputs)
+        self.copy_into = copy_into
+        self.runs = 0
+        self.last_ready: Sequence[Any] | None = None  # the main program's ready events (copy_into)
+        self._entry: HoistedValues | None = None
+        self._seen = 0  # the entry's generation this program's streams were ordered after
+        self._call_events: list[Any] | None = None  # reused per-device events for replays (CUDA)
+        self._cuda = any(d.type == "cuda" for d in getattr(self.prologue, "devices", ()))
+        self._pick = (operator.itemgetter(*self.inputs) if len(self.inputs) > 1
+                      else _single(self.inputs[0]) if self.inputs else _none)
+
+    def fork(self) -> WeightCache:
+        """A cache of the same prologue for another program (its own weights: shares values only when equal)."""
+        return WeightCache(self.shared, self.inputs, self.copy_into)
+
+    @property
+    def entry(self) -> HoistedValues | None:
+        """The ``HoistedValues`` of this program's last call (shared with the programs that passed the same weights)."""
+        return self._entry
+
+    @property
+    def size_bytes(self) -> int:
+        """Device bytes of the cached values this program reads, summed over local devices (0 before the first call)."""
+        entry = self._entry
+        return entry.size_bytes if entry is not None else 0
 
     def values(self, args: Sequence[Any], buffers: Sequence[Sequence[Tensor]],
                events: Sequence[Sequence[Any]] | None) -> list[list[Tensor]]:
@@ -101,35 +179,77 @@ class WeightCache:
         """
         picked = self._pick(args)
         tensors = _tensors(picked)
-        with self._lock:  # C-level loops: about 0.3 us per weight and device
-            if (self._values is not None and len(tensors) == len(self._tensor_refs)
-                    and all(map(operator.is_, map(_DEREF, self._arg_refs), picked))
-                    and all(map(operator.is_, map(_DEREF, self._tensor_refs), tensors))
-                    and list(map(_VERSION, tensors)) == self._versions
-                    and list(map(_PTR, tensors)) == self._ptrs):
-                return self._values
-            self._refresh(picked, tensors, buffers, events)
-            return self._values
+        with self.shared.lock:  # C-level loops: about 0.3 us per weight and device
+            entry = self._entry
+            if entry is None or not entry.matches(picked, tensors):
+                entry = self._find(picked)
+                if not entry.matches(picked, tensors):
+                    self._refresh(entry, picked, tensors, buffers, events)
+                elif entry.generation != self._seen:
+                    _SHARED.inc()
+            if entry.generation != self._seen:  # another program refreshed them: order after its copies
+                self._wait(entry.ready)
+                self._seen = entry.generation
+            return entry.values
 
-    def _refresh(self, picked: Sequence[Any], tensors: list[Tensor], buffers: Sequence[Sequence[Tensor]],
-                 events: Any) -> None:
-        outs, ready = self.prologue.run(buffers, events)
+    def note_call(self, ready: Sequence[Any]) -> None:
+        """Record the ready events of this program's call (a refresh in place waits for them).
+
+        A call that returned none (a CUDA-graph replay, ordered on the caller's current
+        streams) gets events recorded on the current streams of its CUDA devices.
+        """
+        if self._cuda and ready and ready[0] is None:
+            if self._call_events is None:
+                self._call_events = [torch.cuda.Event() if d.type == "cuda" else None for d in self.prologue.devices]
+            for dev, ev in zip(self.prologue.devices, self._call_events, strict=True):
+                if ev is not None:
+                    ev.record(torch.cuda.current_stream(dev))
+            ready = self._call_events
+        self.last_ready = ready
+
+    def _find(self, picked: Sequence[Any]) -> HoistedValues:
+        """The values to use for ``picked`` (lock held): those of the same arguments, this program's
+        own re-keyed when it holds them alone, or new ones; this program becomes their reader."""
+        entries = self.shared.entries
+        ident = tuple(map(id, picked))
+        ref = entries.get(ident)
+        found = ref() if ref is not None else None
+        if found is None or not found.same_args(picked):
+            own = self._entry
+            found = own if own is not None and set(own.readers) <= {self} else HoistedValues()
+            for k in [k for k, r in entries.items() if r() is None or r() is found]:
+                del entries[k]
+            entries[ident] = weakref.ref(found)
+        if found is not self._entry:
+            if self._entry is not None:
+                self._entry.readers.discard(self)
+            found.readers.add(self)
+            self._entry = found
+        return found
+
+    def _refresh(self, entry: HoistedValues, picked: Sequence[Any], tensors: list[Tensor],
+                 buffers: Sequence[Sequence[Tensor]], events: Any) -> None:
+        outs, ready = self.prologue.run([buffers[i] for i in self.inputs],
+                                        [events[i] for i in self.inputs] if events is not None else None)
         self.runs += 1
+        self.shared.runs += 1
         _RUNS.inc()
         # later work on the callers' streams (copies, replays, calls) follows the prologue
         self._wait(ready)
         outs = [[t if t.is_contiguous() else t.contiguous() for t in per] for per in outs]
-        if self.copy_into and self._values is not None:
-            self._wait(self.last_ready)  # the previous call has read the old values
-            for old, new in zip(self._values, outs, strict=True):
+        if entry.values is not None and any(r.copy_into for r in entry.readers):
+            for reader in list(entry.readers):  # every sharer's last call has read the old values
+                self._wait(reader.last_ready)
+            for old, new in zip(entry.values, outs, strict=True):
                 for o, n in zip(old, new, strict=True):
                     o.copy_(n)
+            ready = _record(self.prologue.devices)
         else:
-            self._values = outs
-        self._arg_refs = [weakref.ref(a) for a in picked]
-        self._tensor_refs = [weakref.ref(t) for t in tensors]
-        self._versions = list(map(_VERSION, tensors))
-        self._ptrs = list(map(_PTR, tensors))
+            entry.values = outs
+        entry.ready = ready
+        entry.generation += 1
+        self._seen = entry.generation
+        entry.key_on(picked, tensors)
 
     def _wait(self, events: Sequence[Any] | None) -> None:
         """Make each local device's current stream wait for its event (None entries: CPU, nothing)."""
@@ -139,6 +259,18 @@ class WeightCache:
 
 
 _BUFFERS = operator.attrgetter("_buffers")
+
+
+def _record(devices: Sequence[torch.device]) -> list[Any]:
+    """Per device, an event recorded on its current stream (None for a CPU device)."""
+    out = []
+    for dev in devices:
+        ev = None
+        if dev.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+        out.append(ev)
+    return out
 
 
 def _single(i: int):

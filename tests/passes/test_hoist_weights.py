@@ -65,7 +65,7 @@ def _split(text: str, weights: set[int]):
         got = evaluate_spmd(split.main, args)
     else:
         verify_module(split.prologue)
-        hoisted = evaluate_spmd(split.prologue, args)
+        hoisted = evaluate_spmd(split.prologue, [[a[i] for i in split.inputs] for a in args])
         got = evaluate_spmd(split.main, [a + list(h) for a, h in zip(args, zip(*hoisted, strict=True), strict=True)])
     for w, g in zip(want, got, strict=True):
         for a, b in zip(w, g, strict=True):
@@ -94,11 +94,9 @@ ENTRY %main (x: f32[4,8], wq: f32[8,6], wk: f32[8,6], b: f32[12], c.hoisted: f32
         self.assertExpectedInline(print_module(split.prologue), """\
 HloModule m.prologue, num_partitions=2, mesh={tp=2}, is_partitioned=true
 
-ENTRY %main (x: f32[4,8], wq: f32[8,6], wk: f32[8,6], b: f32[12]) -> (f32[8,12]) {
-  %x = f32[4,8] parameter(0)
-  %wq = f32[8,6] parameter(1)
-  %wk = f32[8,6] parameter(2)
-  %b = f32[12] parameter(3)
+ENTRY %main (wq: f32[8,6], wk: f32[8,6]) -> (f32[8,12]) {
+  %wq = f32[8,6] parameter(0)
+  %wk = f32[8,6] parameter(1)
   %c = f32[8,12] concatenate(%wq, %wk), dimensions={1}, stream_id=0
   ROOT %hoisted = (f32[8,12]) tuple(%c), stream_id=0
 }
@@ -127,10 +125,8 @@ ENTRY %main (x: bf16[4,8], w: f32[6,8], s: f32[], ws.hoisted: f32[8,6], wc.hoist
 }
 """)
         self.assertExpectedInline(print_module(split.prologue).split("ENTRY", 1)[1], """\
- %main (x: bf16[4,8], w: f32[6,8], s: f32[]) -> (f32[8,6], bf16[8,6]) {
-  %x = bf16[4,8] parameter(0)
-  %w = f32[6,8] parameter(1)
-  %s = f32[] parameter(2)
+ %main (w: f32[6,8]) -> (f32[8,6], bf16[8,6]) {
+  %w = f32[6,8] parameter(0)
   %wt = f32[8,6] transpose(%w), dimensions={1,0}, stream_id=0
   %two = f32[] constant(2.0), stream_id=0
   %twob = f32[8,6] broadcast(%two), dimensions={}, stream_id=0
@@ -156,9 +152,7 @@ ENTRY %main (x: bf16[4,8], w: f32[6,8], s: f32[], ws.hoisted: f32[8,6], wc.hoist
 }
 """)
         self.assertExpectedInline(print_module(split.prologue).split("ENTRY", 1)[1], """\
- %main (x: f32[64,32], w: f32[32,32]) -> (f32[64,32]) {
-  %x = f32[64,32] parameter(0)
-  %w = f32[32,32] parameter(1)
+ %main () -> (f32[64,32]) {
   %i = s32[64,32] iota(), iota_dimension=0, stream_id=0
   %f = f32[64,32] convert(%i), stream_id=0
   %c = f32[64,32] cosine(%f), stream_id=0
