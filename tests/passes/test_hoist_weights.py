@@ -102,6 +102,29 @@ ENTRY %main (wq: f32[8,6], wk: f32[8,6]) -> (f32[8,12]) {
 }
 """)
 
+    def test_the_prologue_takes_only_the_weights_it_reads(self):
+        """Another program of the same weights (a decode step: other per-call inputs, in other
+        places) gets the same prologue text but for its name: the runtime shares its values."""
+        decode = _module(
+            ["wq: f32[8,6]", "wk: f32[8,6]", "tok: f32[2,8]", "slot: s32[]"],
+            ["%c = f32[8,12] concatenate(%wq, %wk), dimensions={1}",
+             f"ROOT %m = f32[2,12] dot(%tok, %c), {DOT}"],
+            "f32[2,12]", p=2)
+        split = _split(decode, {0, 1})
+        assert split.inputs == (0, 1)
+        merged = _split(MERGED, {1, 2, 3})
+        assert print_module(split.prologue) == print_module(merged.prologue)
+        self.assertExpectedInline(print_module(split.prologue), """\
+HloModule m.prologue, num_partitions=2, mesh={tp=2}, is_partitioned=true
+
+ENTRY %main (wq: f32[8,6], wk: f32[8,6]) -> (f32[8,12]) {
+  %wq = f32[8,6] parameter(0)
+  %wk = f32[8,6] parameter(1)
+  %c = f32[8,12] concatenate(%wq, %wk), dimensions={1}, stream_id=0
+  ROOT %hoisted = (f32[8,12]) tuple(%c), stream_id=0
+}
+""")
+
     def test_cast_chain_with_constants_is_hoisted_views_and_broadcasts_are_not(self):
         # %wc (a cast of a scaled transpose) and the output %ws pay; %r is a view of a view (free),
         # %sb a broadcast of a weight (a view that would grow the cache).

@@ -1,0 +1,133 @@
+"""Hoisted weight values shared between programs: a ``Generator``'s prefill and decode hold one copy.
+
+The prefill and decode programs hoist the same merged Q/K/V and gate/up weights from the same
+placed weights: one prologue run, one set of values on the devices, and an in-place weight update
+seen by both (eagerly and through CUDA-graph runners on the host replay backend). Programs given
+other weights keep their own values.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+
+import spmd
+from spmd.generation import Generator
+from spmd.generation.reference import reference_generate
+from spmd.models.llama_lm import llama_lm
+from spmd.runtime import graphs
+from spmd.runtime.graphs import GraphOptions, GraphRunner, HostReplayBackend
+
+Q = "layers.1.self_attn.q_proj.weight"
+UP = "layers.0.mlp.up_proj.weight"
+PROMPTS = [[5, 17, 3], [11, 2, 9, 4, 1]]
+NEW, MAX_SEQ, PREFILL = 5, 12, 5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_cache(monkeypatch):
+    """Each test compiles its own executables (the process-wide cache would keep them alive)."""
+    monkeypatch.setattr(sys.modules["spmd.jit"], "_GLOBAL_CACHE", {})
+
+
+def _host_graphs(monkeypatch):
+    def host_graph(executable, options=None, graph_options=None):
+        return GraphRunner(executable, GraphOptions(), backend=HostReplayBackend(executable))
+
+    monkeypatch.setattr(graphs, "maybe_graph", host_graph)
+
+
+def _compiled(gen: Generator) -> list:
+    """The prefill and decode ``Compiled`` of ``gen`` (one sampling, one layout each)."""
+    pre, dec = next(iter(gen._programs.values()))
+    return [c for j in (pre, dec) for c in j._cache.values()]
+
+
+def _check_tokens(gen: Generator, model) -> None:
+    tokens, start = gen.pad_prompts(PROMPTS)
+    ref = reference_generate(model, tokens, start, NEW, MAX_SEQ)[0][:len(PROMPTS)]
+    assert torch.equal(gen.generate(PROMPTS, NEW).tokens, ref)
+
+
+def _update_in_place(model, gen: Generator, name: str, scale: float) -> None:
+    """Scale a weight in place, in the model (the reference) and in its placed shards (what the programs read)."""
+    with torch.no_grad():
+        model.get_parameter(name).mul_(scale)
+        for buf in gen.params[name]._buffers:
+            buf.mul_(scale)
+
+
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:2"])
+def test_prefill_and_decode_hold_one_copy_of_the_hoisted_weights(devices):
+    model = llama_lm(small=True, seed=5)
+    gen = Generator(model, spmd.Mesh.create(("tp",), devices=devices), max_batch=2, max_seq=MAX_SEQ,
+                    prefill_len=PREFILL)
+    _check_tokens(gen, model)
+    prefill, decode = (c.weight_cache for c in _compiled(gen))
+    assert prefill.shared is decode.shared and prefill.entry is decode.entry
+    assert prefill.shared.runs == 1 and prefill.runs == 1 and decode.runs == 0
+    pre_values = prefill.entry.values
+    assert len(pre_values) == 4  # Q/K/V and gate/up of two layers
+    bytes_once = sum(t.nbytes for per in pre_values for t in per)
+    assert prefill.size_bytes == decode.size_bytes == prefill.shared.size_bytes == bytes_once > 0
+    assert prefill.inputs == decode.inputs  # the weights come first in both programs
+
+    _update_in_place(model, gen, Q, -1.5)
+    _update_in_place(model, gen, UP, 0.5)
+    _check_tokens(gen, model)  # both programs read the new merged weights
+    assert prefill.shared.runs == 2 and prefill.entry is decode.entry
+    _check_tokens(gen, model)
+    assert prefill.shared.runs == 2
+
+
+def test_graph_runners_of_both_programs_see_a_refresh_in_place(monkeypatch):
+    """Both programs' graphs captured the shared values: an update refreshes them in place, no recapture."""
+    _host_graphs(monkeypatch)
+    model = llama_lm(small=True, seed=8)
+    gen = Generator(model, spmd.Mesh.create(("tp",), devices="cpu:2"), max_batch=2, max_seq=MAX_SEQ,
+                    prefill_len=PREFILL)
+    for _ in range(2):  # eager warm-up, then capture
+        _check_tokens(gen, model)
+    compiled = _compiled(gen)
+    caches = [c.weight_cache for c in compiled]
+    assert all(c.copy_into for c in caches) and caches[0].entry is caches[1].entry
+    held = [t for per in caches[0].entry.values for t in per]
+    captures = [c.executable.num_captures for c in compiled]
+    assert min(captures) >= 1
+
+    _update_in_place(model, gen, Q, -2.0)
+    _check_tokens(gen, model)
+    assert caches[0].shared.runs == 2
+    assert all(a is b for a, b in zip(held, (t for per in caches[1].entry.values for t in per), strict=True))
+    assert [c.executable.num_captures for c in compiled] == captures
+
+
+def test_generators_of_other_weights_keep_their_own_values():
+    """Equal prologues, other weights: one shared prologue, a set of values per model, none recomputed."""
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:1")
+    models = [llama_lm(small=True, seed=6), llama_lm(small=True, seed=7)]
+    gens = [Generator(m, mesh, max_batch=2, max_seq=MAX_SEQ, prefill_len=PREFILL) for m in models]
+    for g, m in [*zip(gens, models)] * 2:
+        _check_tokens(g, m)
+    a, b = ([c.weight_cache for c in _compiled(g)] for g in gens)
+    assert a[0].shared is b[0].shared and a[0].entry is a[1].entry and b[0].entry is b[1].entry
+    assert a[0].entry is not b[0].entry
+    assert a[0].shared.runs == 2  # once per model, not on every switch
+    assert a[0].shared.size_bytes == a[0].size_bytes + b[0].size_bytes
+
+
+def test_the_values_are_freed_with_the_last_program():
+    model = llama_lm(small=True, seed=9)
+    gen = Generator(model, spmd.Mesh.create(("tp",), devices="cpu:1"), max_batch=1, max_seq=MAX_SEQ,
+                    prefill_len=PREFILL)
+    gen.generate([[3, 4]], 2)
+    cache = _compiled(gen)[0].weight_cache
+    entry, shared = weakref.ref(cache.entry), weakref.ref(cache.shared)
+    sys.modules["spmd.jit"]._GLOBAL_CACHE.clear()
+    del gen, cache
+    gc.collect()
+    assert entry() is None and shared() is None
