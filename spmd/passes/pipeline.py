@@ -211,7 +211,7 @@ class PipelineResult:
 
     ``prologue`` (with its text) is the module of the hoisted values, or None; ``hoisted`` names
     the main module's parameters it feeds (numbered after the original ones) and
-    ``prologue_inputs`` the original parameter numbers it reads.
+    ``prologue_inputs`` the original parameter numbers it reads (its parameters, in order).
     """
 
     module: Module
