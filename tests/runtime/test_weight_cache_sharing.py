@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import weakref
 
 import pytest
@@ -21,6 +22,9 @@ from spmd.generation.reference import reference_generate
 from spmd.models.llama_lm import llama_lm
 from spmd.runtime import graphs
 from spmd.runtime.graphs import GraphOptions, GraphRunner, HostReplayBackend
+from tests.runtime.test_weight_cache import _jit_mlp, _mlp_args, _mlp_ref, _rel_err
+
+P = spmd.PartitionSpec
 
 Q = "layers.1.self_attn.q_proj.weight"
 UP = "layers.0.mlp.up_proj.weight"
@@ -131,3 +135,35 @@ def test_the_values_are_freed_with_the_last_program():
     del gen, cache
     gc.collect()
     assert entry() is None and shared() is None
+
+
+def test_two_jits_called_from_threads_run_the_shared_prologue_once():
+    """Two functions hoisting the same casts of the same placed weights, called concurrently."""
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
+    w, x = _mlp_args(mesh, 11)
+    placed = {k: spmd.device_put(v, spmd.NamedSharding(mesh, P("tp", None))) for k, v in w.items()}
+
+    def tanh_mlp(w, x):
+        h = torch.cat([w["a"], w["b"]], dim=1)
+        return torch.tanh(x @ h.to(x.dtype)) @ w["c"].to(x.dtype)
+
+    f = _jit_mlp(mesh, weight_argnums=0)
+    g = spmd.jit(tanh_mlp, mesh=mesh, in_shardings=({k: P("tp", None) for k in w}, P()), weight_argnums=0)
+    x2 = x[:2] * 0.5
+    h = torch.cat([w["a"], w["b"]], dim=1).double()
+    want = [_mlp_ref(w, x), torch.tanh(x2 @ h) @ w["c"].double()]
+    errors = []
+
+    def work() -> None:
+        for _ in range(5):
+            for fn, arg, ref in ((f, x, want[0]), (g, x2, want[1])):
+                errors.append(_rel_err(fn(placed, arg).to_torch(), ref))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 40 and max(errors) < 1e-6
+    caches = [c.weight_cache for fn in (f, g) for c in fn._cache.values()]
+    assert len(caches) == 2 and caches[0].entry is caches[1].entry and caches[0].shared.runs == 1
