@@ -167,3 +167,30 @@ def test_two_jits_called_from_threads_run_the_shared_prologue_once():
     assert len(errors) == 40 and max(errors) < 1e-6
     caches = [c.weight_cache for fn in (f, g) for c in fn._cache.values()]
     assert len(caches) == 2 and caches[0].entry is caches[1].entry and caches[0].shared.runs == 1
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_of_prefill_and_decode_follow_a_shared_refresh():
+    """On a GPU: both programs' graphs read the one shared copy; an in-place weight update refreshes
+    it in place (ordered after both programs' last replays), no recapture, tokens equal eager."""
+    model = llama_lm(small=True, seed=4, device="cuda:0")
+    gen = Generator(model, spmd.Mesh.create(("tp",), devices="cuda:1"), max_batch=2, max_seq=MAX_SEQ,
+                    prefill_len=PREFILL)
+    tokens, start = gen.pad_prompts(PROMPTS)
+
+    def check() -> None:
+        ref = reference_generate(model, tokens, start, NEW, MAX_SEQ)[0][:len(PROMPTS)]
+        assert torch.equal(gen.generate(PROMPTS, NEW).tokens, ref.cpu())
+
+    for _ in range(3):  # eager, capture, replay
+        check()
+    compiled = _compiled(gen)
+    caches = [c.weight_cache for c in compiled]
+    assert caches[0].entry is caches[1].entry and caches[0].shared.runs == 1
+    held = [t for per in caches[0].entry.values for t in per]
+    captures = [getattr(c.executable, "num_captures", None) for c in compiled]
+    _update_in_place(model, gen, Q, -1.5)
+    check()
+    assert caches[0].shared.runs == 2 and caches[0].entry is caches[1].entry
+    assert all(a is b for a, b in zip(held, (t for per in caches[1].entry.values for t in per), strict=True))
+    assert [getattr(c.executable, "num_captures", None) for c in compiled] == captures
