@@ -51,6 +51,7 @@ as in PyTorch.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from collections.abc import Sequence
@@ -69,6 +70,7 @@ _PTR = torch.Tensor.data_ptr
 _DEREF = getattr(operator, "call", weakref.ref.__call__)  # a weak reference's referent (C-level)
 _RUNS = metrics.counter("hoist.prologue_runs")
 _SHARED = metrics.counter("hoist.shared_hits")
+_STAMPS = itertools.count(1)  # refresh stamps, unique in the process (a program moving between values compares them)
 
 
 class HoistedValues:
@@ -77,7 +79,7 @@ class HoistedValues:
     Attributes:
       values: ``[value][device]`` tensors, or None before the first run.
       ready: per local device, the event after the last refresh (None entries on CPU), or None.
-      generation: how many times the values were (re)computed.
+      generation: the stamp of the last refresh (unique in the process; 0 before the first).
       readers: the ``WeightCache``s whose last call read these values (weak set).
     All access holds the owning ``SharedPrologue.lock``.
     """
@@ -243,11 +245,13 @@ class WeightCache:
             for old, new in zip(entry.values, outs, strict=True):
                 for o, n in zip(old, new, strict=True):
                     o.copy_(n)
+                    if n.is_cuda:  # freed after this call: not reused before the copy has read it
+                        n.record_stream(torch.cuda.current_stream(n.device))
             ready = _record(self.prologue.devices)
         else:
             entry.values = outs
         entry.ready = ready
-        entry.generation += 1
+        entry.generation = next(_STAMPS)
         self._seen = entry.generation
         entry.key_on(picked, tensors)
 

@@ -194,3 +194,27 @@ def test_cuda_graphs_of_prefill_and_decode_follow_a_shared_refresh():
     assert caches[0].shared.runs == 2 and caches[0].entry is caches[1].entry
     assert all(a is b for a, b in zip(held, (t for per in caches[1].entry.values for t in per), strict=True))
     assert [getattr(c.executable, "num_captures", None) for c in compiled] == captures
+
+
+def test_a_program_moving_to_values_another_computed_orders_after_them(monkeypatch):
+    """f moves from its own values to those g computed for other weights: its streams wait for g's
+    refresh events (GPU; recorded here), although both refreshes were each entry's first."""
+    from spmd.runtime.weight_cache import WeightCache
+
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
+    sharding = spmd.NamedSharding(mesh, P("tp", None))
+    (w1, x), (w2, _) = _mlp_args(mesh, 12), _mlp_args(mesh, 13)
+    p1, p2 = ({k: spmd.device_put(v, sharding) for k, v in w.items()} for w in (w1, w2))
+    f, g = _jit_mlp(mesh, weight_argnums=0), _jit_mlp(mesh, weight_argnums=0)
+    waited = []
+    real_wait = WeightCache._wait
+    monkeypatch.setattr(WeightCache, "_wait", lambda self, events: (waited.append((self, events)),
+                                                                      real_wait(self, events)))
+    f(p1, x)
+    g(p2, x)
+    (fc,), (gc_,) = f._cache.values(), g._cache.values()
+    assert fc.weight_cache.entry is not gc_.weight_cache.entry
+    waited.clear()
+    assert _rel_err(f(p2, x).to_torch(), _mlp_ref(w2, x)) < 1e-6
+    assert fc.weight_cache.entry is gc_.weight_cache.entry and fc.weight_cache.shared.runs == 2
+    assert (fc.weight_cache, gc_.weight_cache.entry.ready) in [(s, e) for s, e in waited]
