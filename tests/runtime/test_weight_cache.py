@@ -239,11 +239,12 @@ def test_generator_decode_steps_reuse_the_hoisted_weights():
     gen = Generator(llama_lm(small=True, seed=1), spmd.Mesh.create(("tp",), devices="cpu:1"), max_batch=2,
                     max_seq=24, prefill_len=8)
     gen.generate([[5, 17, 3], [11, 2]], 8)
-    decode = next(iter(gen._programs.values()))[1]
+    prefill, decode = next(iter(gen._programs.values()))
     (compiled,) = decode._cache.values()
     cache = compiled.weight_cache
     # once for every decode step, and for prefill: the prefill ran it, the decode shares its values
-    assert cache is not None and cache.shared.runs == 1 and cache.runs == 0
+    (pre,) = prefill._cache.values()
+    assert cache is not None and pre.weight_cache.runs == 1 and cache.runs == 0
     assert "concatenate" in compiled.lowered.result.prologue_text
 
 
