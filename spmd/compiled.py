@@ -448,13 +448,38 @@ def compile_module(lowered) -> Compiled:
     cache = None
     prologue = lowered.result.prologue
     if prologue is not None:
-        from spmd.runtime.prologue_registry import shared_prologue
-        from spmd.runtime.weight_cache import WeightCache
-
-        shared = shared_prologue(prologue, mesh, lambda m: Executable(m, mesh, assign_buffers(m)))
-        cache = WeightCache(shared, lowered.result.prologue_inputs)
+        cache = _weight_cache(lowered.result, mesh)
     shardings, shapes, dtypes = output_layout(lowered)
     return Compiled(lowered, executable, shardings, shapes, dtypes, buffers, cache)
+
+
+def _weight_cache(result, mesh):
+    """The ``WeightCache`` of a pipeline result's prologue, shared with the programs of equal prologues.
+
+    A prologue of weight values and constant-only values (a prefill's mask and rotary tables,
+    which depend on its shapes) is split in two, so that its weight values are shared with
+    programs whose constants differ (the decode): the cache of the weight values holds the cache
+    of the constants (``WeightCache.constants``).
+    """
+    from spmd.passes.assign_buffers import assign_buffers
+    from spmd.passes.hoist_weights import select_outputs
+    from spmd.runtime.executor import Executable
+    from spmd.runtime.prologue_registry import shared_prologue
+    from spmd.runtime.weight_cache import WeightCache
+
+    def cache(module, inputs):
+        shared = shared_prologue(module, mesh, lambda m: Executable(m, mesh, assign_buffers(m)))
+        return WeightCache(shared, inputs)
+
+    prologue, inputs, k = result.prologue, result.prologue_inputs, result.prologue_weight_values
+    n = len(prologue.entry.root.operands)
+    if not 0 < k < n:
+        return cache(prologue, inputs)
+    weights, used = select_outputs(prologue, range(k))
+    constants, _ = select_outputs(prologue, range(k, n))
+    out = cache(weights, tuple(inputs[i] for i in used))
+    out.constants = cache(constants, ())
+    return out
 
 
 def output_layout(lowered):

@@ -10,7 +10,10 @@ fused QKV weights). Here the entry computation is split in two:
   read (only those, renumbered from 0 in the entry's order: ``WeightSplit.inputs`` maps them
   back) and whose root is a tuple of the *hoisted values*. Programs that hoist the same values
   from the same weights (a ``Generator``'s prefill and decode) so get equal prologues, which the
-  runtime shares (``spmd.runtime.prologue_registry``);
+  runtime shares (``spmd.runtime.prologue_registry``). The values that read weights come first,
+  the constant-only ones after (``WeightSplit.num_weight_values``): the runtime runs them as two
+  prologues (``select_outputs``), so that a prefill's shape-dependent tables do not keep its
+  merged weights from being shared with the decode;
 - the **main** program: the entry with each hoisted value replaced by a new parameter, numbered
   after the original ones in hoisted order; the work that only fed hoisted values is dropped.
 
@@ -68,6 +71,7 @@ work). The prologue's instructions run on stream 0; it is partitioned like the m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -98,12 +102,16 @@ class WeightSplit:
     hoisted: names of the hoisted values (the main program's new parameters, in order).
     inputs: the main program's parameter numbers the prologue reads, in the prologue's parameter
       order (prologue parameter k is main parameter ``inputs[k]``; the key of its cache).
+    num_weight_values: how many of the hoisted values (the first ones) read weights; the others
+      are constant-only (``select_outputs`` splits the prologue in the two: a prefill's
+      mask and rotary tables depend on its shapes, its merged weights are the decode's).
     """
 
     main: Module
     prologue: Module | None = None
     hoisted: tuple[str, ...] = ()
     inputs: tuple[int, ...] = ()
+    num_weight_values: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,9 +155,11 @@ class HoistWeights:
                        and _pays(inst, kinds)) or id(inst) in consts]
         if not hoisted:
             return WeightSplit(module)
+        weighted = [inst for inst in hoisted if kinds.get(inst) == _WEIGHT]
+        hoisted = weighted + [inst for inst in hoisted if kinds.get(inst) != _WEIGHT]
         prologue, inputs = _prologue(module, hoisted)
         names = _replace_with_parameters(module, hoisted)
-        return WeightSplit(module, prologue, names, inputs)
+        return WeightSplit(module, prologue, names, inputs, len(weighted))
 
 
 def _kinds(instructions: list[Instruction], weights: frozenset[int]) -> dict[Instruction, str]:
@@ -241,6 +251,22 @@ def _prologue(module: Module, hoisted: list[Instruction]) -> tuple[Module, tuple
     called = _called(comp.instructions)
     pro.computations = [c for c in pro.computations if id(c) in called]
     return pro, inputs
+
+
+def select_outputs(prologue: Module, indices: Sequence[int]) -> tuple[Module, tuple[int, ...]]:
+    """The prologue of only the outputs ``indices`` of ``prologue`` (root tuple elements, in that order).
+
+    Returns the module (its parameters: the ones those outputs read, renumbered from 0) and the
+    ``prologue`` parameter numbers of its parameters. Raises ValueError for an index outside the
+    root tuple.
+    """
+    elements = prologue.entry.root.operands
+    bad = [i for i in indices if not 0 <= i < len(elements)]
+    if bad:
+        raise ValueError(f"indices: expected outputs of the prologue's {len(elements)}-tuple, got {bad}")
+    sub, inputs = _prologue(prologue, [elements[i] for i in indices])
+    sub.name = prologue.name
+    return sub, inputs
 
 
 def _called(instructions: list[Instruction]) -> set[int]:

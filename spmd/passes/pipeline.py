@@ -211,7 +211,8 @@ class PipelineResult:
 
     ``prologue`` (with its text) is the module of the hoisted values, or None; ``hoisted`` names
     the main module's parameters it feeds (numbered after the original ones) and
-    ``prologue_inputs`` the original parameter numbers it reads (its parameters, in order).
+    ``prologue_inputs`` the original parameter numbers it reads (its parameters, in order);
+    the first ``prologue_weight_values`` hoisted values read weights, the others are constant-only.
     """
 
     module: Module
@@ -222,6 +223,7 @@ class PipelineResult:
     prologue_text: str | None = None
     hoisted: tuple[str, ...] = ()
     prologue_inputs: tuple[int, ...] = ()
+    prologue_weight_values: int = 0
 
 
 def build_passes(options: CompileOptions, process_ids: tuple[int, ...] = ()) -> list:
@@ -325,6 +327,7 @@ def _hoist(result: PipelineResult, p: Any, module: Module, dump: Path | None, in
     split = p.split(module)
     if split.prologue is not None:
         result.prologue, result.hoisted, result.prologue_inputs = split.prologue, split.hoisted, split.inputs
+        result.prologue_weight_values = split.num_weight_values
         result.prologue_text = print_module(split.prologue)
         _write(dump, f"{module.name}.{index:02d}.{p.name}.prologue.txt", result.prologue_text)
     return split.main

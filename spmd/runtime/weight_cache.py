@@ -10,7 +10,9 @@ Sharing: programs whose prologues compute the same values on the same mesh share
 ``SharedPrologue`` (``spmd.runtime.prologue_registry``: a ``Generator``'s prefill and decode,
 Generators of one model for other batch sizes), and programs that pass it the same weight
 arguments share one ``HoistedValues``: one copy of the hoisted values on the devices and one
-prologue run per weight version for all of them. A program given other weights (another
+prologue run per weight version for all of them (a prologue of weight values and constant-only
+values is split in two first, ``WeightCache.constants``: the prefill's mask tables depend on its
+shapes, its merged weights are the decode's). A program given other weights (another
 model, replaced arrays) moves to the values of those weights, or to new values of its own;
 values it held alone are re-keyed and refreshed in place instead (the tensors it captured stay
 valid). Values no program holds any more are freed (the registry holds weak references).
@@ -136,6 +138,10 @@ class WeightCache:
         ``hoist.prologue_runs`` metrics counter; a program finding values another computed for
         the same weights counts ``hoist.shared_hits``).
       last_ready: the ready events of this program's last call (``note_call``).
+      constants: the ``WeightCache`` of the program's constant-only values when its prologue was
+        split (``spmd.compiled``: a prefill's mask tables are its own, its merged weights shared
+        with the decode), else None; ``values``, ``note_call``, ``copy_into``, ``fork`` and
+        ``size_bytes`` include it, ``runs`` and ``entry`` do not.
     Thread-safe: the check and the refresh hold the shared prologue's lock.
     """
 
@@ -143,7 +149,9 @@ class WeightCache:
         self.shared = prologue if isinstance(prologue, SharedPrologue) else SharedPrologue(prologue)
         self.prologue = self.shared.executable
         self.inputs = tuple(inputs)
-        self.copy_into = copy_into
+        self.constants: WeightCache | None = None  # the cache of the constant-only values, if split off
+        self._copy_into = copy_into
+        self._joined: tuple = (None, None, None)  # (weight values, constant values, their concatenation)
         self.runs = 0
         self.last_ready: Sequence[Any] | None = None  # the main program's ready events (copy_into)
         self._entry: HoistedValues | None = None
@@ -155,7 +163,21 @@ class WeightCache:
 
     def fork(self) -> WeightCache:
         """A cache of the same prologue for another program (its own weights: shares values only when equal)."""
-        return WeightCache(self.shared, self.inputs, self.copy_into)
+        out = WeightCache(self.shared, self.inputs, self.copy_into)
+        if self.constants is not None:
+            out.constants = self.constants.fork()
+        return out
+
+    @property
+    def copy_into(self) -> bool:
+        """Whether the program's graphs captured the values (refreshes then write into them)."""
+        return self._copy_into
+
+    @copy_into.setter
+    def copy_into(self, value: bool) -> None:
+        self._copy_into = value
+        if self.constants is not None:
+            self.constants.copy_into = value
 
     @property
     def entry(self) -> HoistedValues | None:
@@ -166,11 +188,14 @@ class WeightCache:
     def size_bytes(self) -> int:
         """Device bytes of the cached values this program reads, summed over local devices (0 before the first call)."""
         entry = self._entry
-        return entry.size_bytes if entry is not None else 0
+        own = entry.size_bytes if entry is not None else 0
+        return own + (self.constants.size_bytes if self.constants is not None else 0)
 
     def values(self, args: Sequence[Any], buffers: Sequence[Sequence[Tensor]],
                events: Sequence[Sequence[Any]] | None) -> list[list[Tensor]]:
         """The hoisted values (``[value][device]``) for this call's weights; runs the prologue if stale.
+
+        The weight values come first, then those of ``constants`` (the main program's order).
 
         Args:
           args: the call's arguments as the caller passed them (``ShardedArray``s, or tensors
@@ -192,7 +217,14 @@ class WeightCache:
             if entry.generation != self._seen:  # another program refreshed them: order after its copies
                 self._wait(entry.ready)
                 self._seen = entry.generation
-            return entry.values
+            values = entry.values
+        if self.constants is None:
+            return values
+        consts = self.constants.values(args, buffers, events)
+        joined = self._joined
+        if joined[0] is not values or joined[1] is not consts:  # the same list objects while unchanged
+            joined = self._joined = (values, consts, values + consts)
+        return joined[2]
 
     def note_call(self, ready: Sequence[Any]) -> None:
         """Record the ready events of this program's call (a refresh in place waits for them).
@@ -208,6 +240,8 @@ class WeightCache:
                     ev.record(torch.cuda.current_stream(dev))
             ready = self._call_events
         self.last_ready = ready
+        if self.constants is not None:
+            self.constants.last_ready = ready
 
     def _find(self, picked: Sequence[Any]) -> HoistedValues:
         """The values to use for ``picked`` (lock held): those of the same arguments, this program's

@@ -10,7 +10,7 @@ from expecttest import TestCase
 from spmd.ir.evaluate import evaluate_spmd
 from spmd.ir.text import parse_module, print_module
 from spmd.ir.verify import verify_module
-from spmd.passes.hoist_weights import HoistWeights
+from spmd.passes.hoist_weights import HoistWeights, select_outputs
 from tests.passes.test_merge_dots import DOT, _module
 
 MERGED = _module(
@@ -124,6 +124,42 @@ ENTRY %main (wq: f32[8,6], wk: f32[8,6]) -> (f32[8,12]) {
   ROOT %hoisted = (f32[8,12]) tuple(%c), stream_id=0
 }
 """)
+
+    def test_weight_values_come_first_and_split_off_from_the_constants(self):
+        """A cosine table (constant-only, defined first) and a negated weight: the weight value is
+        hoisted first, and ``select_outputs`` gives each group its own prologue."""
+        text = _module(
+            ["x: f32[64,32]", "w: f32[32,32]"],
+            ["%i = s32[64,32] iota(), iota_dimension=0",
+             "%f = f32[64,32] convert(%i)",
+             "%c = f32[64,32] cosine(%f)",
+             "%n = f32[32,32] negate(%w)",
+             f"%d = f32[64,32] dot(%x, %n), {DOT}",
+             "ROOT %out = f32[64,32] multiply(%d, %c)"],
+            "f32[64,32]")
+        split = _split(text, {1})
+        assert split.hoisted == ("n.hoisted", "c.hoisted") and split.num_weight_values == 1
+        assert split.inputs == (1,)
+        weights, used = select_outputs(split.prologue, [0])
+        constants, none = select_outputs(split.prologue, [1])
+        assert used == (0,) and none == ()
+        self.assertExpectedInline(print_module(weights).split("ENTRY", 1)[1], """\
+ %main (w: f32[32,32]) -> (f32[32,32]) {
+  %w = f32[32,32] parameter(0)
+  %n = f32[32,32] negate(%w), stream_id=0
+  ROOT %hoisted = (f32[32,32]) tuple(%n), stream_id=0
+}
+""")
+        self.assertExpectedInline(print_module(constants).split("ENTRY", 1)[1], """\
+ %main () -> (f32[64,32]) {
+  %i = s32[64,32] iota(), iota_dimension=0, stream_id=0
+  %f = f32[64,32] convert(%i), stream_id=0
+  %c = f32[64,32] cosine(%f), stream_id=0
+  ROOT %hoisted = (f32[64,32]) tuple(%c), stream_id=0
+}
+""")
+        with pytest.raises(ValueError, match="indices"):
+            select_outputs(split.prologue, [2])
 
     def test_cast_chain_with_constants_is_hoisted_views_and_broadcasts_are_not(self):
         # %wc (a cast of a scaled transpose) and the output %ws pay; %r is a view of a view (free),

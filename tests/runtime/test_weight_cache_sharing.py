@@ -89,6 +89,26 @@ def test_prefill_and_decode_hold_one_copy_of_the_hoisted_weights(devices):
     assert prefill.runs + decode.runs == 2
 
 
+def test_a_prefill_with_its_own_constant_tables_shares_its_weight_values():
+    """A longer prefill also hoists its mask tables (constant-only, of its shapes): they go to a
+    prologue of their own, and the merged weights are still held once for prefill and decode."""
+    model = llama_lm(small=True, seed=10)
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
+    gen = Generator(model, mesh, max_batch=2, max_seq=40, prefill_len=32)
+    tokens, start = gen.pad_prompts(PROMPTS)
+    ref = reference_generate(model, tokens, start, NEW, 40)[0][:len(PROMPTS)]
+    assert torch.equal(gen.generate(PROMPTS, NEW).tokens, ref)
+    prefill, decode = (c.weight_cache for c in _compiled(gen))
+    assert prefill.constants is not None and decode.constants is None
+    assert prefill.entry is decode.entry and prefill.runs == 1 and decode.runs == 0
+    assert prefill.size_bytes == decode.size_bytes + prefill.constants.size_bytes > decode.size_bytes
+    table_runs = prefill.constants.runs
+    _update_in_place(model, gen, UP, -0.5)
+    ref = reference_generate(model, tokens, start, NEW, 40)[0][:len(PROMPTS)]
+    assert torch.equal(gen.generate(PROMPTS, NEW).tokens, ref)
+    assert prefill.runs + decode.runs == 2 and prefill.constants.runs == table_runs  # tables not recomputed
+
+
 def test_graph_runners_of_both_programs_see_a_refresh_in_place(monkeypatch):
     """Both programs' graphs captured the shared values: an update refreshes them in place, no recapture."""
     _host_graphs(monkeypatch)
