@@ -102,9 +102,18 @@ def _check_prompt_type(i: int, p) -> None:
     if isinstance(p, torch.Tensor):
         if p.dim() != 1:
             raise TypeError(f"prompts[{i}]: expected a 1-d tensor of token ids, got a {p.dim()}-d tensor")
-    elif not isinstance(p, Sequence) or isinstance(p, str):
+    elif not isinstance(p, Sequence) or isinstance(p, (str, bytes, bytearray)):
         raise TypeError(f"prompts[{i}]: expected a sequence of int token ids (a list or a 1-d int tensor), "
                         f"got {type(p).__name__}")
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as a Python int (numpy integers included); TypeError for a non-integer, ValueError below 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
 
 
 class Generator:
@@ -221,12 +230,7 @@ class Generator:
         return out
 
     def _check_new_tokens(self, max_new_tokens) -> None:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise TypeError(f"max_new_tokens: expected an int >= 1, got {type(max_new_tokens).__name__} "
-                            f"{max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         last = self.prefill_len + max_new_tokens - 1
         if last > self.max_seq:
             raise ValueError(f"max_new_tokens: {max_new_tokens} new tokens after a prefill of {self.prefill_len} "
@@ -336,7 +340,8 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
     """One-shot ``Generator(...).generate(...)``: the cache is sized for these prompts.
 
     ``prefill_len`` is the longest prompt, ``max_batch`` the number of prompts, ``max_seq``
-    (default) ``prefill_len + max_new_tokens - 1``. Raises as ``Generator`` and ``Generator.generate``.
+    (default) ``prefill_len + max_new_tokens - 1``. Raises as ``Generator`` and ``Generator.generate``
+    (``max_new_tokens`` / ``max_seq`` not an int: TypeError; below 1 or too small a cache: ValueError).
     For many calls, build a ``Generator`` once: its programs are compiled once.
     """
     if isinstance(prompts, torch.Tensor):
@@ -346,10 +351,8 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
     for i, p in enumerate(prompts):
         _check_prompt_type(i, p)
     prefill_len = max(max(len(p) for p in prompts), 1)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
-    if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1):
-        raise ValueError(f"max_seq: expected an int >= 1 or None, got {max_seq!r}")
+    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    max_seq = None if max_seq is None else _positive_int("max_seq", max_seq)
     if max_seq is not None and max_seq < prefill_len + max_new_tokens - 1:
         raise ValueError(f"max_seq: the longest prompt ({prefill_len} tokens) and {max_new_tokens} new tokens need "
                          f"{prefill_len + max_new_tokens - 1} cache positions, got max_seq={max_seq}")

@@ -122,6 +122,8 @@ BAD_CALLS = [
     (dict(prompts=[torch.tensor(3)]), TypeError, r"prompts\[0\]: expected a 1-d tensor"),
     (dict(prompts=[[1, 2.0]]), TypeError, r"prompts\[0\]: expected int token ids, got float 2.0"),
     (dict(prompts=[[np.int64(1)], [np.float32(2)]]), TypeError, r"prompts\[1\]: expected int token ids, got float32"),
+    (dict(prompts=[b"\x01\x02"]), TypeError, r"prompts\[0\]: expected a sequence of int token ids .* got bytes"),
+    (dict(prompts=[bytearray(b"\x01")]), TypeError, r"prompts\[0\]: expected a sequence .* got bytearray"),
     (dict(timing="yes"), TypeError, "timing"),
     (dict(progress=5), TypeError, "progress: expected a callable"),
     (dict(stream_every=1, on_tokens="print"), TypeError, "on_tokens: expected a callable"),
@@ -163,6 +165,25 @@ def bad_input_gen(model):
 def test_one_shot_generate_rejects_bad_arguments(model, prompts, kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         spmd.generate(model, _mesh(("tp",), 2), prompts, 4, **kwargs)
+
+
+@pytest.mark.parametrize(("max_new_tokens", "kwargs", "exc", "match"), [
+    (2.0, {}, TypeError, "max_new_tokens: expected an int >= 1, got float 2.0"),
+    (True, {}, TypeError, "max_new_tokens: expected an int >= 1, got bool"),
+    (0, {}, ValueError, "max_new_tokens: expected an int >= 1, got 0"),
+    (4, {"max_seq": 8.0}, TypeError, "max_seq: expected an int >= 1, got float 8.0"),
+    (4, {"max_seq": 0}, ValueError, "max_seq: expected an int >= 1, got 0"),
+])
+def test_one_shot_generate_checks_sizes_as_generator_does(model, max_new_tokens, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        spmd.generate(model, _mesh(("tp",), 2), [[1, 2]], max_new_tokens, **kwargs)
+
+
+def test_one_shot_generate_takes_numpy_integer_sizes(model):
+    mesh = _mesh(("tp",), 2)
+    want = spmd.generate(model, mesh, [[1, 2], [3]], 3).tokens
+    got = spmd.generate(model, mesh, [[1, 2], [3]], np.int64(3), max_seq=np.int32(5)).tokens
+    assert torch.equal(got, want)
 
 
 def test_bad_construction(model):
