@@ -123,6 +123,10 @@ class Generator:
       model: a ``spmd.models.llama_lm.LlamaForCausalLM`` (its parameters are copied to the mesh
         once, sharded by ``llama_lm_plan`` over mesh axis ``"tp"`` when the mesh has one; Generators
         of one unchanged model on one mesh share that copy, see ``spmd.generation.placement``).
+        The Generator keeps that copy: later updates of the model (in place under
+        ``torch.no_grad()``, ``load_state_dict``) are not seen by it; build a new Generator for
+        new weights. Writes that bypass PyTorch's version counter (``p.data.mul_(2)``,
+        ``p.numpy()``) are not detected: a Generator built after one may reuse the old copy.
       mesh: the device mesh; axis ``"dp"`` (if present) splits the batch, ``"tp"`` the heads.
       max_batch: sequences in the cache (prompts beyond it are a ValueError; fewer are padded).
       max_seq: cache slots per sequence (prompt length + new tokens - 1 must fit).

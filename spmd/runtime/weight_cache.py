@@ -17,7 +17,8 @@ bumps (``copy_``, ``add_``, an ``out=`` kernel, a write through a view such as
 ``ShardedArray``, ``ParallelModule.params[name] = ...``), an argument donated elsewhere (a
 deleted array cannot be passed; one made from its buffers is another object), a buffer given
 new storage, and an in-place update of a buffer. Writes PyTorch does not see (a CUDA graph
-replay or NCCL writing into a tensor, writes through ``Tensor.numpy()``) are not noticed; the
+replay or NCCL writing into a tensor, writes through ``Tensor.numpy()`` or through a torch
+tensor's ``.data``, which has a version counter of its own) are not noticed; the
 arrays ``spmd`` hands out never receive them.
 
 Memory: one entry per executable, the hoisted values of the latest weight version (their
