@@ -133,7 +133,8 @@ class Generator:
       prefill_len: the static (left-padded) prompt length P of the prefill program, <= max_seq.
       options: ``CompileOptions`` of both programs.
     Raises:
-      TypeError: model or mesh of the wrong type. ValueError: sizes < 1, prefill_len > max_seq,
+      TypeError: model, mesh or options of the wrong type, sizes that are not ints (numpy integers
+        are ints). ValueError: sizes < 1, prefill_len > max_seq,
         a KV cache too large to allocate, or a plan that does not fit the mesh (see ``llama_lm_plan``).
     """
 
@@ -143,9 +144,10 @@ class Generator:
             raise TypeError(f"model: expected a spmd.models.llama_lm.LlamaForCausalLM, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected a spmd.Mesh, got {type(mesh).__name__}")
-        for name, v in (("max_batch", max_batch), ("max_seq", max_seq), ("prefill_len", prefill_len)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        max_batch, max_seq, prefill_len = (_positive_int(name, v) for name, v in (
+            ("max_batch", max_batch), ("max_seq", max_seq), ("prefill_len", prefill_len)))
+        if options is not None and not isinstance(options, CompileOptions):
+            raise TypeError(f"options: expected a spmd.CompileOptions or None, got {type(options).__name__}")
         if prefill_len > max_seq:
             raise ValueError(f"prefill_len: expected <= max_seq ({max_seq}), got {prefill_len}")
         self.model, self.mesh = model, mesh

@@ -194,6 +194,12 @@ def test_bad_construction(model):
         Generator(model, mesh, max_batch=0, max_seq=8, prefill_len=4)
     with pytest.raises(TypeError, match="model"):
         Generator(torch.nn.Linear(2, 2), mesh, max_batch=1, max_seq=8, prefill_len=4)
+    with pytest.raises(TypeError, match="max_seq: expected an int >= 1, got float 8.0"):
+        Generator(model, mesh, max_batch=1, max_seq=8.0, prefill_len=4)
+    with pytest.raises(TypeError, match="options: expected a spmd.CompileOptions or None, got dict"):
+        Generator(model, mesh, max_batch=1, max_seq=8, prefill_len=4, options={"cuda_graphs": False})
+    gen = Generator(model, mesh, max_batch=np.int64(1), max_seq=np.int32(8), prefill_len=np.uint8(4))
+    assert (type(gen.max_batch), gen.max_seq, gen.prefill_len) == (int, 8, 4)
     # a cache of petabytes: a ValueError naming the sizes, not the allocator's RuntimeError
     with pytest.raises(ValueError, match=r"max_batch \(1\), max_seq \(1000000000000\): the KV cache .* cannot be"):
         Generator(model, mesh, max_batch=1, max_seq=10**12, prefill_len=4)
