@@ -94,8 +94,13 @@ def cmd_generate(args, console: Console, make_mesh, parse_mesh) -> int:
     cfg = model.config
     prompt_len = args.prompt_len or (16 if args.small else 128)
     max_seq = prompt_len + args.max_new_tokens - 1
-    gen = Generator(model, mesh, max_batch=args.batch, max_seq=max_seq, prefill_len=prompt_len,
-                    options=CompileOptions(dump_dir=args.dump, small_all_reduce=args.small_all_reduce))
+    try:
+        gen = Generator(model, mesh, max_batch=args.batch, max_seq=max_seq, prefill_len=prompt_len,
+                        options=CompileOptions(dump_dir=args.dump, small_all_reduce=args.small_all_reduce))
+    except ValueError as e:
+        if "KV cache" not in str(e):
+            raise
+        _error(f"--batch {args.batch}, --prompt-len {prompt_len}, --max-new-tokens {args.max_new_tokens}: {e}")
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, prompt_len),
                             generator=torch.Generator().manual_seed(args.seed)).tolist()
     console.print(f"[bold]{args.model}[/]{' (small)' if args.small else ''}: {cfg.num_layers} layers, hidden "

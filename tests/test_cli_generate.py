@@ -34,6 +34,7 @@ def test_generate_with_one_shot_all_reduces(capsys):
     (["--top-k", "5"], "--top-k / --top-p need a --temperature (no --temperature means greedy)"),
     (["--seed", str(2**64)], "--seed: expected an int in"),
     (["--mesh", "tp=3"], "not divisible"),
+    (["--max-new-tokens", str(10**12)], f"--batch 1, --prompt-len 16, --max-new-tokens {10**12}: max_batch (1), "),
     (["--mesh", "tp=1,pp=2"], "--mesh: axis 'pp' is not used by spmd generate"),
 ])
 def test_bad_flags_are_one_line_errors(capsys, args, expected):
