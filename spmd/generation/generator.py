@@ -277,7 +277,8 @@ class Generator:
           TypeError / ValueError: bad prompts (empty, too long, too many, not sequences of ids,
           ids outside the vocabulary), ``max_new_tokens`` not an int (TypeError), < 1 or past the
           cache, ``sampling`` not a
-          Sampling, a non-bool ``timing``, ``on_tokens`` / ``progress`` not callable.
+          Sampling, a non-bool ``timing``, ``stream_every`` not an int (TypeError) or < 0,
+          ``on_tokens`` / ``progress`` not callable.
           Nothing runs and the cache is untouched when an argument is rejected.
         Thread-safe: calls from several threads run one after the other (they share the cache).
         """
@@ -287,8 +288,11 @@ class Generator:
         ids = self._check_prompts(prompts)
         self._check_new_tokens(max_new_tokens)
         max_new_tokens = int(max_new_tokens)  # a numpy integer too
-        if isinstance(stream_every, bool) or not isinstance(stream_every, int) or stream_every < 0:
+        if isinstance(stream_every, bool) or not isinstance(stream_every, numbers.Integral):
+            raise TypeError(f"stream_every: expected an int >= 0, got {type(stream_every).__name__} {stream_every!r}")
+        if stream_every < 0:
             raise ValueError(f"stream_every: expected an int >= 0, got {stream_every!r}")
+        stream_every = int(stream_every)
         if not isinstance(timing, bool):
             raise TypeError(f"timing: expected True or False, got {type(timing).__name__} {timing!r}")
         for name, fn in (("on_tokens", on_tokens), ("progress", progress)):

@@ -125,6 +125,8 @@ BAD_CALLS = [
     (dict(prompts=[b"\x01\x02"]), TypeError, r"prompts\[0\]: expected a sequence of int token ids .* got bytes"),
     (dict(prompts=[bytearray(b"\x01")]), TypeError, r"prompts\[0\]: expected a sequence .* got bytearray"),
     (dict(timing="yes"), TypeError, "timing"),
+    (dict(stream_every=-1), ValueError, "stream_every: expected an int >= 0, got -1"),
+    (dict(stream_every=2.0), TypeError, "stream_every: expected an int >= 0, got float 2.0"),
     (dict(progress=5), TypeError, "progress: expected a callable"),
     (dict(stream_every=1, on_tokens="print"), TypeError, "on_tokens: expected a callable"),
 ]
@@ -146,6 +148,9 @@ def test_numpy_integer_token_ids_are_token_ids(bad_input_gen):
     gen = bad_input_gen
     want = gen.generate([[1, 2], [3]], 4).tokens
     assert torch.equal(gen.generate([[np.int64(1), np.int32(2)], [np.uint8(3)]], 4).tokens, want)
+    chunks = []
+    assert torch.equal(gen.generate([[1, 2], [3]], 4, stream_every=np.int64(3), on_tokens=chunks.append).tokens, want)
+    assert [c.shape[1] for c in chunks] == [3, 1]
 
 
 @pytest.fixture(scope="module")
