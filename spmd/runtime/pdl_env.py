@@ -13,12 +13,12 @@ ENV = "SPMD_PDL"
 
 
 def pdl_flag() -> bool:
-    """``SPMD_PDL`` as a bool: ``"1"`` on, ``"0"`` or unset off.
+    """``SPMD_PDL`` as a bool: ``"1"`` on, ``"0"``, empty or unset off (as the other ``SPMD_*`` choices).
 
     Raises:
       ValueError: naming ``SPMD_PDL``, for any other value (expected 0 or 1, got the value).
     """
-    flag = os.environ.get(ENV, "0")
+    flag = os.environ.get(ENV, "0") or "0"
     if flag not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {flag!r}")
+        raise ValueError(f"{ENV}: expected one of ('0', '1'), got {flag!r}")
     return flag == "1"
