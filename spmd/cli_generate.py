@@ -10,6 +10,8 @@ CUDA graphs on GPUs); the timed generation then waits for every token to record 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -44,6 +46,22 @@ def _error(msg: str) -> None:
     raise ValueError(msg)
 
 
+_SAMPLING_FLAGS = {"temperature=None": "no --temperature", "temperature": "--temperature", "top_k": "--top-k",
+                   "top_p": "--top-p", "seed": "--seed"}
+
+
+def _sampling(args):
+    """The ``Sampling`` of the flags; its ValueError / TypeError reworded with the flags' names."""
+    from spmd.generation import Sampling
+
+    try:
+        return Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except (ValueError, TypeError) as e:
+        msg = re.sub(r"\btemperature=None|\b(?:temperature|top_k|top_p|seed)\b",
+                     lambda m: _SAMPLING_FLAGS[m.group(0)], str(e))
+        raise ValueError(msg) from None
+
+
 def _check(args) -> None:
     for name in ("batch", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -57,7 +75,7 @@ def _check(args) -> None:
 def cmd_generate(args, console: Console, make_mesh, parse_mesh) -> int:
     """Run ``spmd generate``; ``make_mesh`` / ``parse_mesh`` come from ``spmd.cli``. Bad flags: ValueError."""
     from spmd import metrics
-    from spmd.generation import Generator, Sampling
+    from spmd.generation import Generator
     from spmd.models.llama_lm import llama_lm
     from spmd.passes.pipeline import CompileOptions
 
@@ -69,15 +87,20 @@ def cmd_generate(args, console: Console, make_mesh, parse_mesh) -> int:
                f"got {args.mesh!r}")
     mesh = make_mesh(axes, args.device)
     dtype = _DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = _sampling(args)
     build_device = "cuda:0" if args.device == "cuda" else "cpu"
     layers = args.layers if args.layers is not None else (2 if args.small else None)
     model = llama_lm(args.model, layers, small=args.small, dtype=dtype, device=build_device, seed=args.seed)
     cfg = model.config
     prompt_len = args.prompt_len or (16 if args.small else 128)
     max_seq = prompt_len + args.max_new_tokens - 1
-    gen = Generator(model, mesh, max_batch=args.batch, max_seq=max_seq, prefill_len=prompt_len,
-                    options=CompileOptions(dump_dir=args.dump, small_all_reduce=args.small_all_reduce))
+    try:
+        gen = Generator(model, mesh, max_batch=args.batch, max_seq=max_seq, prefill_len=prompt_len,
+                        options=CompileOptions(dump_dir=args.dump, small_all_reduce=args.small_all_reduce))
+    except ValueError as e:
+        if "KV cache" not in str(e):
+            raise
+        _error(f"--batch {args.batch}, --prompt-len {prompt_len}, --max-new-tokens {args.max_new_tokens}: {e}")
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, prompt_len),
                             generator=torch.Generator().manual_seed(args.seed)).tolist()
     console.print(f"[bold]{args.model}[/]{' (small)' if args.small else ''}: {cfg.num_layers} layers, hidden "

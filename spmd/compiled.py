@@ -425,18 +425,20 @@ def compile_module(lowered) -> Compiled:
     """Build the executable of a ``Lowered`` program and fix its output shardings.
 
     Raises ValueError for a bad ``SPMD_FUSION_COMPILER``, ``SPMD_P2P_ALL_REDUCE_MAX_BYTES``,
-    ``SPMD_EPILOGUE_CHOICE`` or ``SPMD_ATTENTION_CHOICE`` (checked here on every mesh, before any
+    ``SPMD_EPILOGUE_CHOICE``, ``SPMD_ATTENTION_CHOICE`` or ``SPMD_PDL`` (checked here on every mesh, before any
     kernel or communicator reads them: the kernels read the choices only on CUDA, mid-program).
     """
     from spmd.passes.assign_buffers import assign_buffers
     from spmd.runtime import kernels_attention, kernels_epilogue
     from spmd.runtime.comm.cuda import p2p_all_reduce_max_bytes
     from spmd.runtime.kernels_fusion import fusion_compiler
+    from spmd.runtime.pdl_env import pdl_flag
 
     fusion_compiler(torch.device("cpu"))
     p2p_all_reduce_max_bytes()
     kernels_epilogue.choice_mode()
     kernels_attention.choice_mode()
+    pdl_flag()
     from spmd.runtime.executor import Executable
     from spmd.runtime.graphs import maybe_graph
 

@@ -28,9 +28,13 @@ def test_generate_with_one_shot_all_reduces(capsys):
 
 @pytest.mark.parametrize(("args", "expected"), [
     (["--max-new-tokens", "0"], "--max-new-tokens: expected >= 1"),
-    (["--temperature", "0"], "temperature"),
-    (["--temperature", "1", "--top-p", "1.5"], "top_p"),
+    (["--temperature", "0"], "--temperature: expected a finite float"),
+    (["--temperature", "1", "--top-p", "1.5"], "--top-p: expected a float in (0, 1] or None, got 1.5"),
+    (["--temperature", "1", "--top-k", "0"], "--top-k: expected an int >= 1 or None, got 0"),
+    (["--top-k", "5"], "--top-k / --top-p need a --temperature (no --temperature means greedy)"),
+    (["--seed", str(2**64)], "--seed: expected an int in"),
     (["--mesh", "tp=3"], "not divisible"),
+    (["--max-new-tokens", str(10**12)], f"--batch 1, --prompt-len 16, --max-new-tokens {10**12}: max_batch (1), "),
     (["--mesh", "tp=1,pp=2"], "--mesh: axis 'pp' is not used by spmd generate"),
 ])
 def test_bad_flags_are_one_line_errors(capsys, args, expected):

@@ -102,9 +102,18 @@ def _check_prompt_type(i: int, p) -> None:
     if isinstance(p, torch.Tensor):
         if p.dim() != 1:
             raise TypeError(f"prompts[{i}]: expected a 1-d tensor of token ids, got a {p.dim()}-d tensor")
-    elif not isinstance(p, Sequence) or isinstance(p, str):
+    elif not isinstance(p, Sequence) or isinstance(p, (str, bytes, bytearray)):
         raise TypeError(f"prompts[{i}]: expected a sequence of int token ids (a list or a 1-d int tensor), "
                         f"got {type(p).__name__}")
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as a Python int (numpy integers included); TypeError for a non-integer, ValueError below 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return int(value)
 
 
 class Generator:
@@ -114,13 +123,18 @@ class Generator:
       model: a ``spmd.models.llama_lm.LlamaForCausalLM`` (its parameters are copied to the mesh
         once, sharded by ``llama_lm_plan`` over mesh axis ``"tp"`` when the mesh has one; Generators
         of one unchanged model on one mesh share that copy, see ``spmd.generation.placement``).
+        The Generator keeps that copy: later updates of the model (in place under
+        ``torch.no_grad()``, ``load_state_dict``) are not seen by it; build a new Generator for
+        new weights. Writes that bypass PyTorch's version counter (``p.data.mul_(2)``,
+        ``p.numpy()``) are not detected: a Generator built after one may reuse the old copy.
       mesh: the device mesh; axis ``"dp"`` (if present) splits the batch, ``"tp"`` the heads.
       max_batch: sequences in the cache (prompts beyond it are a ValueError; fewer are padded).
       max_seq: cache slots per sequence (prompt length + new tokens - 1 must fit).
       prefill_len: the static (left-padded) prompt length P of the prefill program, <= max_seq.
       options: ``CompileOptions`` of both programs.
     Raises:
-      TypeError: model or mesh of the wrong type. ValueError: sizes < 1, prefill_len > max_seq,
+      TypeError: model, mesh or options of the wrong type, sizes that are not ints (numpy integers
+        are ints). ValueError: sizes < 1, prefill_len > max_seq,
         a KV cache too large to allocate, or a plan that does not fit the mesh (see ``llama_lm_plan``).
     """
 
@@ -130,9 +144,10 @@ class Generator:
             raise TypeError(f"model: expected a spmd.models.llama_lm.LlamaForCausalLM, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected a spmd.Mesh, got {type(mesh).__name__}")
-        for name, v in (("max_batch", max_batch), ("max_seq", max_seq), ("prefill_len", prefill_len)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        max_batch, max_seq, prefill_len = (_positive_int(name, v) for name, v in (
+            ("max_batch", max_batch), ("max_seq", max_seq), ("prefill_len", prefill_len)))
+        if options is not None and not isinstance(options, CompileOptions):
+            raise TypeError(f"options: expected a spmd.CompileOptions or None, got {type(options).__name__}")
         if prefill_len > max_seq:
             raise ValueError(f"prefill_len: expected <= max_seq ({max_seq}), got {prefill_len}")
         self.model, self.mesh = model, mesh
@@ -221,12 +236,7 @@ class Generator:
         return out
 
     def _check_new_tokens(self, max_new_tokens) -> None:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise TypeError(f"max_new_tokens: expected an int >= 1, got {type(max_new_tokens).__name__} "
-                            f"{max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
         last = self.prefill_len + max_new_tokens - 1
         if last > self.max_seq:
             raise ValueError(f"max_new_tokens: {max_new_tokens} new tokens after a prefill of {self.prefill_len} "
@@ -267,7 +277,8 @@ class Generator:
           TypeError / ValueError: bad prompts (empty, too long, too many, not sequences of ids,
           ids outside the vocabulary), ``max_new_tokens`` not an int (TypeError), < 1 or past the
           cache, ``sampling`` not a
-          Sampling, a non-bool ``timing``, ``on_tokens`` / ``progress`` not callable.
+          Sampling, a non-bool ``timing``, ``stream_every`` not an int (TypeError) or < 0,
+          ``on_tokens`` / ``progress`` not callable.
           Nothing runs and the cache is untouched when an argument is rejected.
         Thread-safe: calls from several threads run one after the other (they share the cache).
         """
@@ -277,8 +288,11 @@ class Generator:
         ids = self._check_prompts(prompts)
         self._check_new_tokens(max_new_tokens)
         max_new_tokens = int(max_new_tokens)  # a numpy integer too
-        if isinstance(stream_every, bool) or not isinstance(stream_every, int) or stream_every < 0:
+        if isinstance(stream_every, bool) or not isinstance(stream_every, numbers.Integral):
+            raise TypeError(f"stream_every: expected an int >= 0, got {type(stream_every).__name__} {stream_every!r}")
+        if stream_every < 0:
             raise ValueError(f"stream_every: expected an int >= 0, got {stream_every!r}")
+        stream_every = int(stream_every)
         if not isinstance(timing, bool):
             raise TypeError(f"timing: expected True or False, got {type(timing).__name__} {timing!r}")
         for name, fn in (("on_tokens", on_tokens), ("progress", progress)):
@@ -336,7 +350,8 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
     """One-shot ``Generator(...).generate(...)``: the cache is sized for these prompts.
 
     ``prefill_len`` is the longest prompt, ``max_batch`` the number of prompts, ``max_seq``
-    (default) ``prefill_len + max_new_tokens - 1``. Raises as ``Generator`` and ``Generator.generate``.
+    (default) ``prefill_len + max_new_tokens - 1``. Raises as ``Generator`` and ``Generator.generate``
+    (``max_new_tokens`` / ``max_seq`` not an int: TypeError; below 1 or too small a cache: ValueError).
     For many calls, build a ``Generator`` once: its programs are compiled once.
     """
     if isinstance(prompts, torch.Tensor):
@@ -346,10 +361,8 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
     for i, p in enumerate(prompts):
         _check_prompt_type(i, p)
     prefill_len = max(max(len(p) for p in prompts), 1)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
-    if max_seq is not None and (isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1):
-        raise ValueError(f"max_seq: expected an int >= 1 or None, got {max_seq!r}")
+    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    max_seq = None if max_seq is None else _positive_int("max_seq", max_seq)
     if max_seq is not None and max_seq < prefill_len + max_new_tokens - 1:
         raise ValueError(f"max_seq: the longest prompt ({prefill_len} tokens) and {max_new_tokens} new tokens need "
                          f"{prefill_len + max_new_tokens - 1} cache positions, got max_seq={max_seq}")

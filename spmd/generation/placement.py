@@ -9,7 +9,10 @@ model's parameters are unchanged: the same parameter tensors (identity, checked 
 references), at the same addresses (``data_ptr``: ``p.data = other`` moves the storage), with the
 same ``_version`` (every in-place write, ``load_state_dict`` included, bumps it). Otherwise the
 parameters are placed again (``device_put``), so a Generator built after an update reads the
-new weights while an earlier one keeps the copy it was built with.
+new weights while an earlier one keeps the copy it was built with. A write that bypasses the
+version counter (through ``p.data``, which has a counter of its own, or ``p.numpy()``) changes
+none of the three: a Generator built after it reuses the old copy (the contents are not compared;
+that would read every weight at every construction).
 
 Memory: the registry holds neither the model nor the arrays (weak references); the arrays
 live as long as a ``PlacedParams`` that a Generator holds.

@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from spmd.generation.sampling import Sampling, initial_rng_state, sample
 from spmd.models.llama_lm import LlamaForCausalLM
+
+
+def _check(model: LlamaForCausalLM, tokens, start, max_new_tokens, max_seq, sampling) -> None:
+    """TypeError / ValueError naming the argument of ``reference_generate``, expected vs got."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"model: expected a spmd.models.llama_lm.LlamaForCausalLM, got {type(model).__name__}")
+    for name, t, dims in (("tokens", tokens, 2), ("start", start, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype != torch.int64:
+            got = f"{t.dtype} [{', '.join(map(str, t.shape))}]" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name}: expected an int64 tensor of {dims} dims, got {got}")
+    b, p = tokens.shape
+    if p < 1 or start.shape[0] != b:
+        raise ValueError(f"tokens / start: expected tokens [B, P] with P >= 1 and start [B], got tokens "
+                         f"{list(tokens.shape)} and start {list(start.shape)}")
+    vocab = model.config.vocab_size
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"tokens: expected ids in [0, {vocab}), got {int(tokens.min())}..{int(tokens.max())}")
+    if b and (int(start.min()) < 0 or int(start.max()) >= p):
+        raise ValueError(f"start: expected slots in [0, {p}) (P = tokens.shape[1]), got "
+                         f"{int(start.min())}..{int(start.max())}")
+    for name, v in (("max_new_tokens", max_new_tokens), ("max_seq", max_seq)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name}: expected an int >= 1, got {type(v).__name__} {v!r}")
+        if v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if p + max_new_tokens - 1 > max_seq:
+        raise ValueError(f"max_seq: a prefill of {p} and {max_new_tokens} new tokens need {p + max_new_tokens - 1} "
+                         f"cache positions, got max_seq={max_seq}")
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling: expected a spmd.generation.Sampling or None, got {type(sampling).__name__}")
 
 
 @torch.no_grad()
@@ -21,7 +53,13 @@ def reference_generate(model: LlamaForCausalLM, tokens: torch.Tensor, start: tor
       sampling: a ``Sampling`` (default greedy); the same seed draws the same random numbers.
     Returns:
       (int64 [B, max_new_tokens] new tokens, the final KV cache: one ``(k, v)`` per layer).
+    Raises:
+      TypeError: model, tokens, start, sizes or sampling of the wrong type (tokens / start must
+        be int64 tensors of 2 / 1 dims). ValueError: sizes < 1, P + max_new_tokens - 1 > max_seq,
+        start not [B] or outside [0, P), token ids outside the vocabulary.
     """
+    _check(model, tokens, start, max_new_tokens, max_seq, sampling)
+    max_new_tokens, max_seq = int(max_new_tokens), int(max_seq)
     sampling = Sampling() if sampling is None else sampling
     dev = model.lm_head.weight.device
     b, p = tokens.shape

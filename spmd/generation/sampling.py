@@ -19,6 +19,7 @@ threshold are all kept.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,8 @@ class Sampling:
       ValueError: a temperature below ~1.18e-38 (0 and negatives included) or not finite, top_k < 1,
         top_p outside (0, 1], top_k or top_p without a temperature, a seed outside [-2^63, 2^64).
       TypeError: a field of the wrong type.
+    numpy scalars are accepted and stored as Python ``int`` / ``float`` (so are ints for the
+    float fields).
     """
 
     temperature: float | None = None
@@ -50,28 +53,37 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self._check()
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("seed", int)):
+            if getattr(self, name) is not None:  # numpy scalars as Python numbers: hashable keys, plain reprs
+                object.__setattr__(self, name, kind(getattr(self, name)))
+
+    def _check(self) -> None:
         t, k, p = self.temperature, self.top_k, self.top_p
         if t is not None:
-            if isinstance(t, bool) or not isinstance(t, (int, float)):
+            if isinstance(t, bool) or not isinstance(t, numbers.Real):
                 raise TypeError(f"temperature: expected a float > 0 or None (greedy), got {type(t).__name__}")
+            t = float(t)
             if not (math.isfinite(t) and t >= _MIN_TEMPERATURE):
                 raise ValueError(f"temperature: expected a finite float >= {_MIN_TEMPERATURE:.4g} (float32's smallest "
                                  f"normal number; None means greedy), got {t}")
         if k is not None:
-            if isinstance(k, bool) or not isinstance(k, int):
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral):
                 raise TypeError(f"top_k: expected an int >= 1 or None, got {type(k).__name__}")
+            k = int(k)
             if k < 1:
                 raise ValueError(f"top_k: expected an int >= 1 or None, got {k}")
         if p is not None:
-            if isinstance(p, bool) or not isinstance(p, (int, float)):
+            if isinstance(p, bool) or not isinstance(p, numbers.Real):
                 raise TypeError(f"top_p: expected a float in (0, 1] or None, got {type(p).__name__}")
+            p = float(p)
             if not 0 < p <= 1:
                 raise ValueError(f"top_p: expected a float in (0, 1] or None, got {p}")
         if t is None and (k is not None or p is not None):
             raise ValueError("top_k / top_p need a temperature (temperature=None means greedy)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
-        if not -(2**63) <= self.seed < 2**64:
+        if not -(2**63) <= int(self.seed) < 2**64:
             raise ValueError(f"seed: expected an int in [-2**63, 2**64) (torch.Generator.manual_seed), got {self.seed}")
 
     @property

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
+
+from spmd.runtime.pdl_env import pdl_flag
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -59,10 +60,7 @@ def enabled(device: torch.device) -> bool:
 
     Raises ValueError for an ``SPMD_PDL`` other than ``0`` / ``1``.
     """
-    flag = os.environ.get("SPMD_PDL", "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"SPMD_PDL must be 0 or 1, got {flag!r}")
-    if flag == "0" or getattr(_local, "off", 0) or device.type != "cuda":
+    if not pdl_flag() or getattr(_local, "off", 0) or device.type != "cuda":
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 

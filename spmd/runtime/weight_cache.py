@@ -28,9 +28,10 @@ bumps (``copy_``, ``add_``, an ``out=`` kernel, a write through a view such as
 ``ShardedArray``, ``ParallelModule.params[name] = ...``), an argument donated elsewhere (a
 deleted array cannot be passed; one made from its buffers is another object), a buffer given
 new storage, and an in-place update of a buffer. Writes PyTorch does not see (a CUDA graph
-replay or NCCL writing into a tensor, writes through ``Tensor.numpy()``) are not noticed; the
-arrays ``spmd`` hands out never receive them. An in-place update seen by one program refreshes
-the shared values for all of them: the others pass the same (updated) objects.
+replay or NCCL writing into a tensor, writes through ``Tensor.numpy()`` or through a torch
+tensor's ``.data``, which has a version counter of its own) are not noticed; the arrays ``spmd``
+hands out never receive them. An in-place update seen by one program refreshes the shared values
+for all of them: the others pass the same (updated) objects.
 
 Memory: per weight set, the hoisted values of its latest version (per-device bytes:
 ``WeightCache.size_bytes``), once for every program sharing them. Merged weights are thus held

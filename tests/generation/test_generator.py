@@ -122,7 +122,11 @@ BAD_CALLS = [
     (dict(prompts=[torch.tensor(3)]), TypeError, r"prompts\[0\]: expected a 1-d tensor"),
     (dict(prompts=[[1, 2.0]]), TypeError, r"prompts\[0\]: expected int token ids, got float 2.0"),
     (dict(prompts=[[np.int64(1)], [np.float32(2)]]), TypeError, r"prompts\[1\]: expected int token ids, got float32"),
+    (dict(prompts=[b"\x01\x02"]), TypeError, r"prompts\[0\]: expected a sequence of int token ids .* got bytes"),
+    (dict(prompts=[bytearray(b"\x01")]), TypeError, r"prompts\[0\]: expected a sequence .* got bytearray"),
     (dict(timing="yes"), TypeError, "timing"),
+    (dict(stream_every=-1), ValueError, "stream_every: expected an int >= 0, got -1"),
+    (dict(stream_every=2.0), TypeError, "stream_every: expected an int >= 0, got float 2.0"),
     (dict(progress=5), TypeError, "progress: expected a callable"),
     (dict(stream_every=1, on_tokens="print"), TypeError, "on_tokens: expected a callable"),
 ]
@@ -144,6 +148,9 @@ def test_numpy_integer_token_ids_are_token_ids(bad_input_gen):
     gen = bad_input_gen
     want = gen.generate([[1, 2], [3]], 4).tokens
     assert torch.equal(gen.generate([[np.int64(1), np.int32(2)], [np.uint8(3)]], 4).tokens, want)
+    chunks = []
+    assert torch.equal(gen.generate([[1, 2], [3]], 4, stream_every=np.int64(3), on_tokens=chunks.append).tokens, want)
+    assert [c.shape[1] for c in chunks] == [3, 1]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +172,25 @@ def test_one_shot_generate_rejects_bad_arguments(model, prompts, kwargs, match):
         spmd.generate(model, _mesh(("tp",), 2), prompts, 4, **kwargs)
 
 
+@pytest.mark.parametrize(("max_new_tokens", "kwargs", "exc", "match"), [
+    (2.0, {}, TypeError, "max_new_tokens: expected an int >= 1, got float 2.0"),
+    (True, {}, TypeError, "max_new_tokens: expected an int >= 1, got bool"),
+    (0, {}, ValueError, "max_new_tokens: expected an int >= 1, got 0"),
+    (4, {"max_seq": 8.0}, TypeError, "max_seq: expected an int >= 1, got float 8.0"),
+    (4, {"max_seq": 0}, ValueError, "max_seq: expected an int >= 1, got 0"),
+])
+def test_one_shot_generate_checks_sizes_as_generator_does(model, max_new_tokens, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        spmd.generate(model, _mesh(("tp",), 2), [[1, 2]], max_new_tokens, **kwargs)
+
+
+def test_one_shot_generate_takes_numpy_integer_sizes(model):
+    mesh = _mesh(("tp",), 2)
+    want = spmd.generate(model, mesh, [[1, 2], [3]], 3).tokens
+    got = spmd.generate(model, mesh, [[1, 2], [3]], np.int64(3), max_seq=np.int32(5)).tokens
+    assert torch.equal(got, want)
+
+
 def test_bad_construction(model):
     mesh = _mesh(("tp",), 2)
     with pytest.raises(ValueError, match="prefill_len"):
@@ -173,6 +199,12 @@ def test_bad_construction(model):
         Generator(model, mesh, max_batch=0, max_seq=8, prefill_len=4)
     with pytest.raises(TypeError, match="model"):
         Generator(torch.nn.Linear(2, 2), mesh, max_batch=1, max_seq=8, prefill_len=4)
+    with pytest.raises(TypeError, match="max_seq: expected an int >= 1, got float 8.0"):
+        Generator(model, mesh, max_batch=1, max_seq=8.0, prefill_len=4)
+    with pytest.raises(TypeError, match="options: expected a spmd.CompileOptions or None, got dict"):
+        Generator(model, mesh, max_batch=1, max_seq=8, prefill_len=4, options={"cuda_graphs": False})
+    gen = Generator(model, mesh, max_batch=np.int64(1), max_seq=np.int32(8), prefill_len=np.uint8(4))
+    assert (type(gen.max_batch), gen.max_seq, gen.prefill_len) == (int, 8, 4)
     # a cache of petabytes: a ValueError naming the sizes, not the allocator's RuntimeError
     with pytest.raises(ValueError, match=r"max_batch \(1\), max_seq \(1000000000000\): the KV cache .* cannot be"):
         Generator(model, mesh, max_batch=1, max_seq=10**12, prefill_len=4)

@@ -86,3 +86,32 @@ def test_generators_of_two_models_of_one_shape_keep_their_own_weights_adopted():
         assert torch.equal(tokens, ref)
         assert steps and all(s < weight_bytes for s in steps), (steps, weight_bytes)
     assert _HELD.value == held
+
+
+def _reference_tokens(model, gen, prompts, new):
+    tokens, start = gen.pad_prompts(prompts)
+    return reference_generate(model, tokens, start, new, gen.max_seq)[0][:len(prompts), :new]
+
+
+def test_a_generator_keeps_its_weights_and_one_built_after_an_update_reads_the_new_ones():
+    """The documented contract: an update (in place under no_grad, or load_state_dict) is seen by
+    Generators built after it; earlier ones, interleaved with them, go on with their own copy."""
+    model = llama_lm(small=True, seed=6)
+    prompts, new = [[3, 1, 4], [1, 5]], 5
+    old = Generator(model, spmd.Mesh.create(("tp",), devices="cpu:2"), max_batch=2, max_seq=10, prefill_len=4)
+    want_old = _reference_tokens(model, old, prompts, new)
+    assert torch.equal(old.generate(prompts, new).tokens, want_old)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-2.0)
+    scaled = Generator(model, spmd.Mesh.create({"dp": 2, "tp": 2}, devices="cpu:4"), max_batch=2, max_seq=12,
+                       prefill_len=4)
+    want_scaled = _reference_tokens(model, scaled, prompts, new)
+    assert not torch.equal(want_scaled, want_old)  # the update changes the tokens
+    assert torch.equal(scaled.generate(prompts, new).tokens, want_scaled)
+    assert torch.equal(old.generate(prompts, new).tokens, want_old)
+    model.load_state_dict(state)
+    restored = Generator(model, spmd.Mesh.create(("tp",), devices="cpu:2"), max_batch=2, max_seq=10, prefill_len=4)
+    assert restored.params["lm_head.weight"] is not old.params["lm_head.weight"]
+    assert torch.equal(restored.generate(prompts, new).tokens, want_old)
+    assert torch.equal(scaled.generate(prompts, new).tokens, want_scaled)

@@ -1,5 +1,6 @@
 """The on-device sampler: argument checks, greedy ties, the exponential race's distribution, top-k, top-p."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,10 +28,21 @@ from spmd.generation.sampling import (
     (dict(seed=1.5), TypeError, "seed"),
     (dict(temperature=1.0, seed=2**70), ValueError, "seed"),
     (dict(temperature=1.0, seed=-(2**63) - 1), ValueError, "seed"),
+    (dict(temperature=torch.tensor(0.5)), TypeError, "temperature: expected a float > 0 or None .* got Tensor"),
+    (dict(temperature=np.float32(0.0)), ValueError, "temperature"),
+    (dict(temperature=1.0, top_k=np.float64(2.0)), TypeError, "top_k"),
+    (dict(temperature=1.0, top_k=np.int64(0)), ValueError, "top_k"),
 ])
 def test_bad_sampling_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         Sampling(**kwargs)
+
+
+def test_numpy_scalars_are_stored_as_python_numbers():
+    s = Sampling(temperature=np.float32(0.5), top_k=np.int64(5), top_p=np.float16(0.75), seed=np.uint64(2**63 + 1))
+    assert s == Sampling(temperature=0.5, top_k=5, top_p=0.75, seed=2**63 + 1)
+    assert [type(v) for v in (s.temperature, s.top_k, s.top_p, s.seed)] == [float, int, float, int]
+    assert type(Sampling(temperature=2).temperature) is float and hash(s) == hash(Sampling(0.5, 5, 0.75, 2**63 + 1))
 
 
 def test_argmax_first_takes_the_lowest_index_on_ties():

@@ -39,7 +39,7 @@ def test_pdl_is_off_by_default_and_never_on_cpu(monkeypatch):
 
 def test_a_bad_spmd_pdl_names_the_variable(monkeypatch):
     monkeypatch.setenv("SPMD_PDL", "yes")
-    with pytest.raises(ValueError, match="SPMD_PDL must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match=r"SPMD_PDL: expected one of \('0', '1'\), got 'yes'"):
         triton_pdl.enabled(torch.device("cpu"))
 
 
