@@ -3,7 +3,7 @@
 #
 # Usage (from anywhere; it cds to the repository root):
 #   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | fuzz | cm | dispatch | onegpu | decode | train |
-#                                          smallar | pdl | all
+#                                          smallar | pdl | twogen | all
 #                                          (default: all)
 # Environment knobs:
 #   OUT=dir          where logs/results go (default /tmp/spmd_bench_out): run.log, gpu_tests.log,
@@ -19,6 +19,7 @@
 #   DECODE_ARGS=..   extra options for benchmarks/decode.py (e.g. "--batch 1 --rounds 2")
 #   TRAIN_ARGS=..    extra options for benchmarks/train.py (e.g. "--model gpt3 --layers 1")
 #   PDL_ARGS=..      extra options for benchmarks/probe/pdl_chain.py (e.g. "--batch 1 --layers 4")
+#   TWOGEN_ARGS=..   extra options for benchmarks/two_generators.py (e.g. "--layers 8 --rounds 2")
 #   SMALLAR_ARGS=..  extra options for benchmarks/small_allreduce.py (e.g. "--sizes 4096 65536 --no-symm")
 #   FUZZ_N=400       random programs in the GPU slice of the differential tester (tests/fuzz/sweep.py)
 #   PYTEST_ARGS=...  extra options for pytest (e.g. "-k windowed")
@@ -49,13 +50,13 @@ selected=()
 for s in "${stages[@]}"; do
   case "$s" in
     all) selected+=(tests fuzz cm dispatch onegpu decode train smallar) ;;
-    env|tests|fuzz|cm|dispatch|onegpu|decode|train|smallar|pdl) selected+=("$s") ;;
-    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train, smallar, pdl or all"
+    env|tests|fuzz|cm|dispatch|onegpu|decode|train|smallar|pdl|twogen) selected+=("$s") ;;
+    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train, smallar, pdl, twogen or all"
        exit 2 ;;
   esac
 done
 
-declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2 [pdl]=1)
+declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2 [pdl]=1 [twogen]=2)
 # STAGE_WEIGHTS="decode=6,tests=2" overrides the shares of the time budget above.
 IFS=',' read -ra _weights <<< "${STAGE_WEIGHTS:-}"
 for kv in "${_weights[@]}"; do
@@ -146,6 +147,8 @@ for s in "${selected[@]}"; do
           --doc docs/benchmarks.md ${SMALLAR_ARGS:-} ;;
     # shellcheck disable=SC2086
     pdl) run_stage pdl "$secs" python3 -m benchmarks.probe.pdl_chain --doc docs/benchmarks.md ${PDL_ARGS:-} ;;
+    # shellcheck disable=SC2086
+    twogen) run_stage twogen "$secs" python3 -m benchmarks.two_generators ${TWOGEN_ARGS:-} ;;
     fuzz) run_stage fuzz "$secs" python3 -m tests.fuzz.sweep --device cuda --n "${FUZZ_N:-400}" --seed "$RANDOM" \
           --budget-s $(( secs - 20 )) --out "$OUT/fuzz_gpu.json" ;;
   esac
