@@ -16,9 +16,10 @@ from __future__ import annotations
 import operator
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 import torch
@@ -59,6 +60,53 @@ class InputSpec:
     dtype: torch.dtype
     sharding: NamedSharding
     donated: bool
+
+
+def _fork(executable, weight_cache) -> tuple:
+    """A CUDA-graph runner's and a weight cache's per-caller state made anew (the rest shared)."""
+    if hasattr(type(executable), "fork") and hasattr(type(executable.backend), "fork"):
+        executable = executable.fork()
+    return executable, None if weight_cache is None else weight_cache.fork()
+
+
+@dataclass(frozen=True)
+class CompiledTemplate:
+    """A compiled module as the process-wide compile cache (``spmd.jit``) keeps it: never called,
+    and holding no caller (no ``Lowered``, so no ``jit`` and what its calls keep alive).
+
+    ``rebind(lowered)`` gives each caller of an equal module text its own ``Compiled``: the
+    executable and buffer assignment are shared; a CUDA-graph runner's state is the caller's
+    own (``GraphRunner.fork()``: bindings, donated static buffers, graphs, output sets), so two
+    callers passing their own weights each keep them adopted instead of staging every weight on
+    every call and neither holds the other's donated buffers; so is its handle on the hoisted
+    values (``WeightCache.fork()``: shared with other programs only while they pass the same
+    weights; the ``Lowered`` programs of one ``jit`` share one handle, ``caches``, held while
+    that ``jit`` lives). What a caller's calls hold on the devices is freed with that caller.
+    Called under ``spmd.compile_lock.COMPILE_LOCK``.
+    """
+
+    executable: object
+    weight_cache: object
+    buffers: object
+    caches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+    @property
+    def mesh(self):
+        """The mesh the program runs on."""
+        return self.executable.mesh
+
+    def rebind(self, lowered) -> Compiled:
+        """A ``Compiled`` for ``lowered`` (a ``Lowered`` of this module text). The argument
+        structure, names, donation, ``reshard_inputs`` and the output shardings come from
+        ``lowered`` (equal module texts may name their shardings differently: ``P("tp", None)``
+        and ``P(None, "tp")`` over a mesh axis of size 1 lay out alike)."""
+        shardings, shapes, dtypes = output_layout(lowered)
+        executable, cache = _fork(self.executable, None)
+        if self.weight_cache is not None:
+            cache = self.caches.get(lowered.jitted)
+            if cache is None:
+                cache = self.caches[lowered.jitted] = self.weight_cache.fork()
+        return Compiled(lowered, executable, shardings, shapes, dtypes, self.buffers, cache)
 
 
 class Compiled:
@@ -106,32 +154,12 @@ class Compiled:
         self._rng_key_sharding = (NamedSharding(self.mesh, PartitionSpec())
                                   if getattr(lowered.program, "rng_key_parameter", None) is not None else None)
 
-    def rebind(self, lowered) -> Compiled:
-        """This executable for another ``Lowered`` program of the same module (process-wide cache hit).
-
-        The executable and buffers are shared -- except a CUDA-graph runner's
-        state: the new ``Compiled`` gets its own ``GraphRunner.fork()`` (bindings, donated static
-        buffers, graphs, output sets), so two callers passing their own weights each keep them
-        adopted instead of staging every weight on every call, and neither holds the other's
-        donated buffers. For another ``jit`` the new ``Compiled`` gets its own ``WeightCache.fork()``
-        too (of one ``jit`` it shares the cache): it shares the hoisted values only while both pass
-        the same weights, instead of recomputing them whenever the other ran. The argument
-        structure, names, donation,
-        ``reshard_inputs`` and the output shardings come from ``lowered`` (equal module texts
-        may name their shardings differently: ``P("tp", None)`` and ``P(None, "tp")`` over a
-        mesh axis of size 1 lay out alike). Returns ``self`` when ``lowered`` is the one it was
-        built from.
-        """
-        if lowered is self.lowered:
-            return self
-        shardings, shapes, dtypes = output_layout(lowered)
-        ex = self.executable
-        if hasattr(type(ex), "fork") and hasattr(type(ex.backend), "fork"):
-            ex = ex.fork()
-        cache = self.weight_cache
-        if cache is not None and lowered.jitted is not self.lowered.jitted:
-            cache = cache.fork()
-        return Compiled(lowered, ex, shardings, shapes, dtypes, self.buffers, cache)
+    def template(self) -> CompiledTemplate:
+        """What the process-wide compile cache keeps of this program (``CompiledTemplate``)."""
+        template = CompiledTemplate(*_fork(self.executable, self.weight_cache), self.buffers)
+        if self.weight_cache is not None:
+            template.caches[self.lowered.jitted] = self.weight_cache
+        return template
 
     def _donated_leaves(self) -> list[int]:
         """Flat tensor-input indices that belong to donated positional arguments."""

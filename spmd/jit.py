@@ -25,12 +25,12 @@ import torch.utils._pytree as pytree
 from spmd import metrics
 from spmd.array import ShardedArray
 from spmd.compile_lock import COMPILE_LOCK
-from spmd.compiled import Compiled, compile_module
+from spmd.compiled import Compiled, CompiledTemplate, compile_module
 from spmd.mesh import Mesh
 from spmd.passes.pipeline import CompileOptions, type_name
 from spmd.sharding import NamedSharding, PartitionSpec
 
-_GLOBAL_CACHE: dict[tuple, Compiled] = {}
+_GLOBAL_CACHE: dict[tuple, CompiledTemplate] = {}
 _HIT = metrics.counter("compile_cache.hit")
 _MISS = metrics.counter("compile_cache.miss")
 
@@ -253,17 +253,22 @@ class Lowered:
     def compile(self) -> Compiled:
         """Build (or fetch from the process-wide cache) the executable.
 
+        The process-wide cache keeps a ``CompiledTemplate`` per module text, which holds no caller;
+        a hit gives this ``Lowered`` its own ``Compiled`` from it, so what a caller's calls hold on
+        the devices (captured graphs, donated static buffers, hoisted weight values) is freed
+        with that caller's ``jit``.
+
         Thread-safe: one thread compiles a module, others wait and share it (``spmd.compile_lock``).
         """
         with COMPILE_LOCK:
-            hit = _GLOBAL_CACHE.get(self.cache_key)
-            if hit is not None:
+            template = _GLOBAL_CACHE.get(self.cache_key)
+            if template is not None:
                 metrics.counter("compile_cache.global_hit").inc()
-                return hit.rebind(self)
+                return template.rebind(self)
             start = time.perf_counter()
             compiled = compile_module(self)
             metrics.timer("compile").record(time.perf_counter() - start + self.result_time_s)
-            _GLOBAL_CACHE[self.cache_key] = compiled
+            _GLOBAL_CACHE[self.cache_key] = compiled.template()
             return compiled
 
     @property

@@ -54,7 +54,7 @@ def test_first_runs_from_two_threads_both_bind_the_executable():
 def test_equal_programs_of_two_jit_functions_keep_their_own_weights_adopted(monkeypatch):
     """Two ``jit`` functions compiling one program share its executable (process-wide cache); each
     calling with its own weight used to make the one shared graph runner stage (copy) the weight
-    on every call once the callers alternated. ``Compiled.rebind`` forks the runner instead."""
+    on every call once the callers alternated. ``CompiledTemplate.rebind`` forks the runner instead."""
     monkeypatch.setattr(graphs, "maybe_graph", lambda executable, options=None, graph_options=None: GraphRunner(
         executable, GraphOptions(), backend=HostReplayBackend(executable)))
     monkeypatch.setattr(sys.modules["spmd.jit"], "_GLOBAL_CACHE", {})

@@ -278,7 +278,7 @@ class GraphRunner:
     def fork(self) -> GraphRunner:
         """A runner of the same executable with its own bindings, static buffers, graphs and output sets.
 
-        For another caller of one compiled program (``Compiled.rebind``): one shared runner fed two
+        For another caller of one compiled program (``CompiledTemplate.rebind``): one shared runner fed two
         callers' weights staged (copied) every weight on every call, and one caller holding the
         donated static buffers made the other's calls eager. Calls of both runners take one lock
         (they share the executable's streams). A runner disabled for good stays disabled.

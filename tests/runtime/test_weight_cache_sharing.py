@@ -145,18 +145,25 @@ def test_generators_of_other_weights_keep_their_own_values():
     assert not {id(t) for per in a[0].entry.values for t in per} & {id(t) for per in b[0].entry.values for t in per}
 
 
-def test_the_values_are_freed_with_the_last_program():
+def test_the_values_and_graphs_are_freed_with_the_last_program(monkeypatch):
+    """The process-wide compile cache keeps only a never-called template: a Generator's hoisted
+    values, graph runners and their static buffers go with it (the cache is left as it is)."""
+    _host_graphs(monkeypatch)
     model = llama_lm(small=True, seed=9)
     gen = Generator(model, spmd.Mesh.create(("tp",), devices="cpu:1"), max_batch=1, max_seq=MAX_SEQ,
                     prefill_len=PREFILL)
     gen.generate([[3, 4]], 2)
-    cache = _compiled(gen)[0].weight_cache
-    entry = weakref.ref(cache.entry)
-    sys.modules["spmd.jit"]._GLOBAL_CACHE.clear()
-    del gen, cache
+    gen.generate([[3, 4]], 3)  # replays
+    compiled = _compiled(gen)
+    entry = weakref.ref(compiled[0].weight_cache.entry)
+    runners = [weakref.ref(c.executable) for c in compiled]
+    assert all(isinstance(r(), GraphRunner) for r in runners)
+    assert len(sys.modules["spmd.jit"]._GLOBAL_CACHE) == 2
+    del gen, compiled
     gc.collect()
     # (the shared prologue itself lives on while programs of other tests hold it: test_prologue_registry)
     assert entry() is None
+    assert all(r() is None for r in runners)
 
 
 def test_two_jits_called_from_threads_run_the_shared_prologue_once():
