@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spmd import metrics
@@ -97,9 +98,23 @@ def _zeros_cache(model: LlamaForCausalLM, max_batch: int, max_seq: int) -> torch
                          f"expected sizes whose cache fits in memory") from None
 
 
+def _prompt_rows(prompts):
+    """A 2-d tensor or numpy array of prompts as a list of its rows (1-d tensors); another
+    tensor as None (rejected by the caller); other values as given."""
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        return [torch.from_numpy(np.ascontiguousarray(row)) for row in prompts]
+    if isinstance(prompts, torch.Tensor):
+        return list(prompts) if prompts.dim() == 2 else None
+    return prompts
+
+
 def _check_prompt_type(i: int, p) -> None:
-    """TypeError unless prompt ``i`` is a sequence of token ids (a list / tuple, or a 1-d tensor)."""
-    if isinstance(p, torch.Tensor):
+    """TypeError unless prompt ``i`` is a sequence of token ids (a list / tuple, or a 1-d tensor
+    or numpy array)."""
+    if isinstance(p, np.ndarray):
+        if p.ndim != 1:
+            raise TypeError(f"prompts[{i}]: expected a 1-d array of token ids, got a {p.ndim}-d array")
+    elif isinstance(p, torch.Tensor):
         if p.dim() != 1:
             raise TypeError(f"prompts[{i}]: expected a 1-d tensor of token ids, got a {p.dim()}-d tensor")
     elif not isinstance(p, Sequence) or isinstance(p, (str, bytes, bytearray)):
@@ -210,8 +225,7 @@ class Generator:
 
     # ------------------------------------------------------------------ inputs
     def _check_prompts(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, torch.Tensor):
-            prompts = list(prompts) if prompts.dim() == 2 else None
+        prompts = _prompt_rows(prompts)
         if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
             raise TypeError("prompts: expected a non-empty list of token-id sequences (lists or 1-d int tensors)")
         if len(prompts) > self.max_batch:
@@ -220,7 +234,7 @@ class Generator:
         vocab = self.model.config.vocab_size
         for i, p in enumerate(prompts):
             _check_prompt_type(i, p)
-            ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+            ids = p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else list(p)
             if not ids:
                 raise ValueError(f"prompts[{i}]: empty prompt; expected at least one token")
             bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
@@ -261,8 +275,9 @@ class Generator:
         """Generate ``max_new_tokens`` tokens for each prompt.
 
         Args:
-          prompts: list of token-id sequences (lists of ints, numpy ints included, or 1-d int tensors), each 1 ..
-            ``prefill_len`` tokens, at most ``max_batch`` of them; or an int tensor [B, S].
+          prompts: list of token-id sequences (lists of ints, numpy ints included, or 1-d int tensors or
+            numpy arrays), each 1 .. ``prefill_len`` tokens, at most ``max_batch`` of them; or an int
+            tensor or numpy array [B, S].
           max_new_tokens: int >= 1; ``prefill_len + max_new_tokens - 1 <= max_seq``.
           sampling: a ``Sampling`` (default greedy).
           timing: wait for every decode step's token and record its latency (``step_latencies_s``
@@ -354,8 +369,7 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
     (``max_new_tokens`` / ``max_seq`` not an int: TypeError; below 1 or too small a cache: ValueError).
     For many calls, build a ``Generator`` once: its programs are compiled once.
     """
-    if isinstance(prompts, torch.Tensor):
-        prompts = list(prompts) if prompts.dim() == 2 else prompts
+    prompts = _prompt_rows(prompts)
     if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
         raise TypeError("prompts: expected a non-empty list of token-id sequences (lists or 1-d int tensors)")
     for i, p in enumerate(prompts):

@@ -124,6 +124,9 @@ BAD_CALLS = [
     (dict(prompts=[[np.int64(1)], [np.float32(2)]]), TypeError, r"prompts\[1\]: expected int token ids, got float32"),
     (dict(prompts=[b"\x01\x02"]), TypeError, r"prompts\[0\]: expected a sequence of int token ids .* got bytes"),
     (dict(prompts=[bytearray(b"\x01")]), TypeError, r"prompts\[0\]: expected a sequence .* got bytearray"),
+    (dict(prompts=[np.array([[1]])]), TypeError, r"prompts\[0\]: expected a 1-d array of token ids, got a 2-d array"),
+    (dict(prompts=np.array([[1.0, 2.0]])), TypeError, r"prompts\[0\]: expected int token ids, got float 1.0"),
+    (dict(prompts=np.array([1, 2])), TypeError, "non-empty list"),
     (dict(timing="yes"), TypeError, "timing"),
     (dict(stream_every=-1), ValueError, "stream_every: expected an int >= 0, got -1"),
     (dict(stream_every=2.0), TypeError, "stream_every: expected an int >= 0, got float 2.0"),
@@ -151,6 +154,18 @@ def test_numpy_integer_token_ids_are_token_ids(bad_input_gen):
     chunks = []
     assert torch.equal(gen.generate([[1, 2], [3]], 4, stream_every=np.int64(3), on_tokens=chunks.append).tokens, want)
     assert [c.shape[1] for c in chunks] == [3, 1]
+
+
+def test_numpy_arrays_of_token_ids_are_prompts(bad_input_gen, model):
+    """A 2-d integer array is a batch of equal-length prompts, as a 2-d tensor is; 1-d arrays are prompts."""
+    gen = bad_input_gen
+    want = gen.generate([[1, 2], [3, 4]], 4).tokens
+    assert torch.equal(gen.generate(np.array([[1, 2], [3, 4]], dtype=np.int32), 4).tokens, want)
+    assert torch.equal(gen.generate([np.array([1, 2]), np.array([3, 4], dtype=np.uint8)], 4).tokens, want)
+    assert torch.equal(gen.generate(np.array([[1, 2], [3, 4]])[:, ::-1][:, ::-1], 4).tokens, want)  # strided
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:1")
+    assert torch.equal(spmd.generate(model, mesh, np.array([[1, 2], [3, 4]]), 4).tokens,
+                       spmd.generate(model, mesh, [[1, 2], [3, 4]], 4).tokens)
 
 
 @pytest.fixture(scope="module")
