@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -410,6 +411,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _finish_args(args) -> None:
     args.tp_axis = "tp"
     args.device = args.device or default_device()
+    if getattr(args, "dump", None):
+        from spmd.passes.pipeline import check_dump_dir
+
+        check_dump_dir(Path(args.dump), "--dump")
     if args.command != "run":
         return
     minilm = args.model == "minilm"

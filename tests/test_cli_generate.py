@@ -36,6 +36,7 @@ def test_generate_with_one_shot_all_reduces(capsys):
     (["--mesh", "tp=3"], "not divisible"),
     (["--max-new-tokens", str(10**12)], f"--batch 1, --prompt-len 16, --max-new-tokens {10**12}: max_batch (1), "),
     (["--mesh", "tp=1,pp=2"], "--mesh: axis 'pp' is not used by spmd generate"),
+    (["--dump", __file__], "--dump: expected a directory path"),
 ])
 def test_bad_flags_are_one_line_errors(capsys, args, expected):
     assert main(["generate", "--small", "--device", "cpu", "--mesh", "tp=1", *args]) == 2
