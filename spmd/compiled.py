@@ -62,11 +62,9 @@ class InputSpec:
     donated: bool
 
 
-def _fork(executable, weight_cache) -> tuple:
-    """A CUDA-graph runner's and a weight cache's per-caller state made anew (the rest shared)."""
-    if hasattr(type(executable), "fork") and hasattr(type(executable.backend), "fork"):
-        executable = executable.fork()
-    return executable, None if weight_cache is None else weight_cache.fork()
+def _own_runner(executable):
+    """A CUDA-graph runner with its own per-caller state (``GraphRunner.fork``); a plain executable as it is."""
+    return executable.fork() if hasattr(type(executable), "fork") else executable
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ class CompiledTemplate:
         ``lowered`` (equal module texts may name their shardings differently: ``P("tp", None)``
         and ``P(None, "tp")`` over a mesh axis of size 1 lay out alike)."""
         shardings, shapes, dtypes = output_layout(lowered)
-        executable, cache = _fork(self.executable, None)
+        executable, cache = _own_runner(self.executable), None
         if self.weight_cache is not None:
             cache = self.caches.get(lowered.jitted)
             if cache is None:
@@ -156,7 +154,8 @@ class Compiled:
 
     def template(self) -> CompiledTemplate:
         """What the process-wide compile cache keeps of this program (``CompiledTemplate``)."""
-        template = CompiledTemplate(*_fork(self.executable, self.weight_cache), self.buffers)
+        cache = self.weight_cache
+        template = CompiledTemplate(_own_runner(self.executable), None if cache is None else cache.fork(), self.buffers)
         if self.weight_cache is not None:
             template.caches[self.lowered.jitted] = self.weight_cache
         return template

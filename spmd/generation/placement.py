@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,7 @@ _REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {
 _LOCK = threading.Lock()
 
 
+@dataclass(frozen=True)
 class PlacedParams:
     """One placement of a model's parameters: ``arrays`` (fqn -> ``ShardedArray``) and its source.
 
@@ -40,9 +42,8 @@ class PlacedParams:
     ``data_ptr()``, its ``_version``) when the arrays were placed.
     """
 
-    def __init__(self, arrays: dict[str, ShardedArray], signature: tuple) -> None:
-        self.arrays = arrays
-        self.signature = signature
+    arrays: dict[str, ShardedArray]
+    signature: tuple
 
     def matches(self, params: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> bool:
         """Whether ``params`` (fqn -> tensor, for ``names``) still are the tensors placed, unchanged."""
