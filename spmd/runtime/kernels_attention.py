@@ -11,10 +11,13 @@ inputs and keeps the fastest (the gemv choice, ``spmd.runtime.kernels_gemv``, do
   is computed by the same kernel on each device), q / k / v shapes, strides and dtype, the mask's
   shape, strides and dtype (or none), is_causal, scale, and which backends PyTorch has enabled
   (``torch.backends.cuda.*_sdp_enabled``: a backend the user turned off is never a candidate);
-- candidates: each enabled backend forced with ``torch.nn.attention.sdpa_kernel``, and for a
-  decode step's attention (one query per sequence, 16-bit, Triton installed) ``split-kv``, the
-  flash-decoding kernel of ``spmd.runtime.triton_decode_attention`` (SDPA's kernels run one
-  program per (batch, head) there: 32 at batch 1 for Llama-2-7B); one that
+- candidates: each enabled backend forced with ``torch.nn.attention.sdpa_kernel``, and, where
+  Triton is installed, two kernels of spmd's own: for a decode step's attention (one query per
+  sequence, 16-bit) ``split-kv``, the flash-decoding kernel of
+  ``spmd.runtime.triton_decode_attention`` (SDPA's kernels run one program per (batch, head)
+  there: 32 at batch 1 for Llama-2-7B), and for at most ``MAX_KEYS`` keys ``short-seq``, the
+  one-pass kernel of ``spmd.runtime.triton_short_attention`` (an encoder's 128-token attention
+  with heads of 32, where SDPA's kernels run far from the memory floor); one that
   raises for these inputs (no kernel for the dtype, head dim, mask or layout) is skipped, and so
   is one whose result disagrees with the math definition computed in float32 (float64 for
   float64 inputs) beyond ``TOLERANCE[dtype]`` (elementwise ``|out - ref| <= tol * (1 + |ref|)``,
@@ -37,8 +40,8 @@ attention at once never see each other's flags.
 CPU tensors, tensors under a tracing / fake-tensor dispatch mode, inputs that need gradients and
 non-4-d inputs run ``F.scaled_dot_product_attention`` as before. ``SPMD_ATTENTION_CHOICE``:
 ``auto`` (default: timing as above), ``default`` (PyTorch's heuristic everywhere, no timing) or a
-backend name in ``BACKENDS`` or ``split-kv`` (that backend wherever it accepts the inputs, else the default;
-counted in ``attention.forced_unavailable``) for measurements. Any other value is a ValueError
+backend name in ``BACKENDS``, ``split-kv`` or ``short-seq`` (that backend wherever it accepts the
+inputs, else the default; counted in ``attention.forced_unavailable``) for measurements. Any other value is a ValueError
 naming the variable. ``override_mode(mode)`` sets the mode for one thread (a same-run A/B).
 """
 
@@ -71,7 +74,9 @@ BACKENDS: dict[str, SDPBackend] = {
     "math": SDPBackend.MATH,
 }
 SPLIT_KV = "split-kv"  # spmd.runtime.triton_decode_attention: one query per sequence, keys split over programs
-MODES = ("auto", "default", *BACKENDS, SPLIT_KV)
+SHORT_SEQ = "short-seq"  # spmd.runtime.triton_short_attention: every key of a (batch, head) in one block
+TRITON_KERNELS = (SPLIT_KV, SHORT_SEQ)
+MODES = ("auto", "default", *BACKENDS, *TRITON_KERNELS)
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 2e-3, torch.float64: 1e-7}
 KEEP_DEFAULT_MARGIN = 0.03  # a candidate must beat PyTorch's own pick by more than 3% to replace it
 MATH_MAX_SCORE_BYTES = 256 * 2**20  # math materialises float32 scores [B, H, Sq, Sk]: not a candidate beyond
@@ -188,16 +193,20 @@ def _default(q, k, v, mask, is_causal, scale) -> Tensor:
 
 def run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                 scale: float | None) -> Tensor:
-    """SDPA with only backend ``name`` (a key of ``BACKENDS``) enabled, or the ``split-kv`` Triton
-    kernel; PyTorch's RuntimeError ("No available kernel") where it does not accept these inputs
-    (a RuntimeError too where ``split-kv`` does not). Capture-safe: the flags act on the host
-    dispatch only."""
-    if name == SPLIT_KV:
-        if not _split_kv_eligible(q, k, v, mask, is_causal):
-            raise RuntimeError(f"{SPLIT_KV}: no kernel for these inputs (one query per sequence, 16-bit, CUDA)")
-        from spmd.runtime import triton_decode_attention
+    """SDPA with only backend ``name`` (a key of ``BACKENDS``) enabled, or one of spmd's Triton
+    kernels (``TRITON_KERNELS``); PyTorch's RuntimeError ("No available kernel") where it does not
+    accept these inputs (a RuntimeError too where a Triton kernel does not). Capture-safe: the
+    flags act on the host dispatch only."""
+    if name in TRITON_KERNELS:
+        if not _triton_eligible(name, q, k, v, mask, is_causal):
+            raise RuntimeError(f"{name}: no kernel for these inputs")
+        if name == SPLIT_KV:
+            from spmd.runtime import triton_decode_attention
 
-        return triton_decode_attention.attention(q, k, v, mask, scale)
+            return triton_decode_attention.attention(q, k, v, mask, scale)
+        from spmd.runtime import triton_short_attention
+
+        return triton_short_attention.attention(q, k, v, mask, is_causal, scale)
     with _FLAGS_LOCK, sdpa_kernel([BACKENDS[name]]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
@@ -206,15 +215,18 @@ def _on_gpu(q: Tensor) -> bool:
     return q.is_cuda
 
 
-def _split_kv_eligible(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> bool:
-    """Triton is installed and ``triton_decode_attention.eligible`` holds (a decode step's attention)."""
-    if not q.is_cuda or q.dim() != 4 or q.shape[2] != 1:
+def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> bool:
+    """Triton is installed and kernel ``name``'s ``eligible`` holds for these CUDA inputs."""
+    if not q.is_cuda or q.dim() != 4 or (name == SPLIT_KV and q.shape[2] != 1):
         return False
     try:
-        from spmd.runtime import triton_decode_attention
+        if name == SPLIT_KV:
+            from spmd.runtime import triton_decode_attention as kernel
+        else:
+            from spmd.runtime import triton_short_attention as kernel
     except ImportError:
         return False
-    return triton_decode_attention.eligible(q, k, v, mask, is_causal)
+    return kernel.eligible(q, k, v, mask, is_causal)
 
 
 def _can_time(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -249,8 +261,7 @@ def _layout(t: Tensor | None) -> tuple:
 def _key(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None) -> tuple:
     with _FLAGS_LOCK:  # not while another thread holds its forced flags
         enabled = tuple(name for name, on in _ENABLED.items() if on())
-    if _split_kv_eligible(q, k, v, mask, is_causal):
-        enabled += (SPLIT_KV,)
+    enabled += tuple(n for n in TRITON_KERNELS if _triton_eligible(n, q, k, v, mask, is_causal))
     return (_device_kind(q.device), _layout(q), _layout(k), _layout(v), _layout(mask), bool(is_causal), scale,
             enabled)
 

@@ -21,7 +21,7 @@ def test_the_mode_is_accepted(monkeypatch):
 
 def test_cpu_inputs_are_never_split_kv():
     q, k = torch.randn(1, 4, 1, 16).half(), torch.randn(1, 4, 9, 16).half()
-    assert not ka._split_kv_eligible(q, k, k, None, False)
+    assert not ka._triton_eligible(ka.SPLIT_KV, q, k, k, None, False)
     with pytest.raises(RuntimeError, match="split-kv"):
         ka.run_backend(ka.SPLIT_KV, q, k, k, None, False, None)
 

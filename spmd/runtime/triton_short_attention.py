@@ -1,0 +1,153 @@
+"""Attention over short key sequences in one pass: every key of a (batch, head) in one block.
+
+Imported only where Triton is installed (it imports ``triton`` at the top);
+``spmd.runtime.kernels_attention`` offers it as the ``short-seq`` candidate of its timed choice.
+
+SDPA's flash-style kernels stream the keys in blocks with the online softmax of FlashAttention
+(Dao et al., 2022) and are tuned for long sequences and head dims of 64-128. An encoder such as
+MiniLM (12 heads of 32, 128 tokens) leaves them far from the memory floor: on an H200 cuDNN's
+bf16 kernel runs batch 128 at about 20 TFLOP/s and the memory-efficient float32 kernel takes
+22 µs for 50 MFLOP at batch 8. When all keys fit one block (``MAX_KEYS``) the softmax needs no
+running rescale, so one program per (batch, head, block of ``block_m`` queries):
+
+1. loads its queries ``[block_m, D]`` and all keys ``[Sk, D]`` of its key/value head,
+2. computes the scores with one ``tl.dot`` (float32 accumulation; for float32 inputs with
+   ``input_precision="ieee"``, full float32 products, not TF32), adds or applies the mask,
+3. takes the softmax over the row in float32 and multiplies by the values with a second
+   ``tl.dot`` (the probabilities cast to the values' dtype for 16-bit inputs, as flash kernels
+   do; float32 stays float32).
+
+Grouped-query attention reads key/value head ``h // (Hq / Hkv)``. The mask (bool: True = attend;
+float: added to the scores) is read through its strides, so a broadcast view costs nothing.
+``is_causal`` is PyTorch's top-left alignment (query ``i`` sees keys ``j <= i``). A row with
+every key masked is 0, as PyTorch's math SDPA (its "safe" softmax) gives.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_KEYS = 256  # all keys in one block: the scores tile [block_m, keys] stays in registers
+MAX_HEAD_DIM = 128
+_TILE_ELEMENTS = 8192  # block_m * keys: 64 float32 registers per thread at 4 warps
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
+               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
+               sm_b, sm_h, sm_q, sm_k, D, DV,
+               HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    rdv = tl.arange(0, BLOCK_DV)
+    row_ok = rm < SQ
+    key_ok = rn < SK
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rm[:, None] * sq_s + rd[None, :],
+                mask=row_ok[:, None] & (rd[None, :] < D), other=0.0)
+    k = tl.load(k_ptr + b * sk_b + hk * sk_h + rn[:, None] * sk_s + rd[None, :],
+                mask=key_ok[:, None] & (rd[None, :] < D), other=0.0)
+    v = tl.load(v_ptr + b * sv_b + hk * sv_h + rn[:, None] * sv_s + rdv[None, :],
+                mask=key_ok[:, None] & (rdv[None, :] < DV), other=0.0)
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = scores * scale
+    allowed = key_ok[None, :] & row_ok[:, None]
+    if HAS_MASK:
+        mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rm[:, None] * sm_q + rn[None, :] * sm_k,
+                     mask=allowed, other=0)
+        if BOOL_MASK:
+            allowed = allowed & (mk != 0)
+        else:
+            scores = scores + mk.to(tl.float32)
+    if CAUSAL:
+        allowed = allowed & (rn[None, :] <= rm[:, None])
+    scores = tl.where(allowed, scores, float("-inf"))
+    big = tl.max(scores, axis=1)
+    shift = tl.where(big == float("-inf"), 0.0, big)  # every key masked: no NaN
+    p = tl.exp(scores - shift[:, None])
+    total = tl.sum(p, axis=1)
+    if IEEE:
+        acc = tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0
+    tl.store(out_ptr + b * so_b + h * so_h + rm[:, None] * so_s + rdv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rdv[None, :] < DV))
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> bool:
+    """Whether ``attention(q, k, v, mask, is_causal)`` computes these inputs: CUDA tensors of one
+    dtype (float16, bfloat16 or float32), q ``[B, Hq, Sq, D]``, k ``[B, Hkv, Sk, D]``, v
+    ``[B, Hkv, Sk, Dv]`` with Hkv dividing Hq, 1 <= Sk <= ``MAX_KEYS``, D and Dv <= ``MAX_HEAD_DIM``,
+    last dims contiguous, and a bool / floating mask broadcastable to ``[B, Hq, Sq, Sk]`` (or
+    none; not both a mask and ``is_causal``, which PyTorch rejects)."""
+    if not (q.is_cuda and q.dtype in _DTYPES and q.dtype == k.dtype == v.dtype):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    b, hq, sq, d = q.shape
+    _, hkv, sk, _ = k.shape
+    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or hkv < 1 or hq % hkv:
+        return False
+    if not (1 <= sk <= MAX_KEYS and sq >= 1 and 1 <= d <= MAX_HEAD_DIM and 1 <= v.shape[3] <= MAX_HEAD_DIM):
+        return False
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return False
+    if mask is None:
+        return True
+    if is_causal or (mask.dtype != torch.bool and not mask.dtype.is_floating_point):
+        return False
+    try:
+        return torch.broadcast_shapes(mask.shape, (b, hq, sq, sk)) == (b, hq, sq, sk)
+    except RuntimeError:
+        return False
+
+
+def block_m(bh: int, queries: int, keys_block: int, num_sms: int) -> int:
+    """Queries per program: at most ``_TILE_ELEMENTS / keys_block`` (the scores tile in
+    registers) and 64, halved (down to 16) until there are at least two programs per SM."""
+    m = max(16, min(64, _TILE_ELEMENTS // keys_block, triton.next_power_of_2(queries)))
+    while m > 16 and bh * triton.cdiv(queries, m) < 2 * num_sms:
+        m //= 2
+    return m
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+              scale: float | None, num_sms: int | None = None) -> torch.Tensor:
+    """``softmax(q @ k.T * scale + mask) @ v`` for ``eligible`` inputs: ``[B, Hq, Sq, Dv]`` in q's dtype.
+
+    ``scale``: None = ``1 / sqrt(D)``; ``num_sms``: the device's SM count (None: asked of CUDA).
+    The caller checks ``eligible``.
+    """
+    b, hq, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    block_n = max(16, triton.next_power_of_2(sk))
+    bm = block_m(b * hq, sq, block_n, num_sms)
+    out = torch.empty(b, hq, sq, dv, dtype=q.dtype, device=q.device)
+    if mask is not None:
+        mask = mask.expand(b, hq, sq, sk)
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)
+    m_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    _attention[(triton.cdiv(sq, bm), b * hq)](
+        q, k, v, q if mask is None else mask, out, sq, sk, hq, hq // hkv,
+        float(d ** -0.5 if scale is None else scale),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *m_strides, d, dv, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
+        CAUSAL=bool(is_causal), IEEE=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=4)
+    return out

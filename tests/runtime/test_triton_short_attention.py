@@ -1,0 +1,99 @@
+"""One-pass short-sequence attention (``spmd.runtime.triton_short_attention``): which inputs it
+takes, its result against float64 SDPA on CUDA (float32 / bf16 / fp16, GQA, causal, bool and
+additive masks, broadcast masks, fully masked rows, head dims and key counts that are no power of
+two), and its place in the timed attention choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spmd.runtime import kernels_attention as ka
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_the_mode_is_accepted(monkeypatch):
+    monkeypatch.setenv(ka.CHOICE_ENV, ka.SHORT_SEQ)
+    assert ka.choice_mode() == ka.SHORT_SEQ
+
+
+def test_cpu_inputs_are_never_short_seq():
+    q = torch.randn(2, 4, 8, 16)
+    assert not ka._triton_eligible(ka.SHORT_SEQ, q, q, q, None, False)
+    with pytest.raises(RuntimeError, match="short-seq"):
+        ka.run_backend(ka.SHORT_SEQ, q, q, q, None, False, None)
+
+
+def _inputs(b, hq, hkv, sq, sk, d, dv, dtype, mask_kind, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, hq, sq, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(b, hkv, sk, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(b, hkv, sk, dv, device="cuda", generator=g).to(dtype)
+    if mask_kind in ("none", "causal"):
+        mask = None
+    elif mask_kind == "bool":  # per-sequence key padding, broadcast over heads and queries; sequence 0 fully masked
+        mask = torch.rand(b, 1, 1, sk, device="cuda", generator=g) > 0.3
+        mask[0] = False
+    else:  # an additive mask per query, broadcast over heads, in q's dtype (BERT's extended mask)
+        mask = torch.randn(b, 1, sq, sk, device="cuda", generator=g).to(dtype)
+    return q, k, v, mask
+
+
+def _reference(q, k, v, mask, causal):
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    return F.scaled_dot_product_attention(q.double(), k, v, attn_mask=m, is_causal=causal)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("b", "hq", "hkv", "sq", "sk", "d", "dv", "mask_kind"), [
+    (8, 12, 12, 128, 128, 32, 32, "float"), (4, 12, 12, 128, 128, 32, 32, "bool"),
+    (2, 8, 2, 130, 130, 64, 64, "causal"),
+    (3, 4, 4, 7, 200, 16, 16, "none"), (1, 4, 1, 1, 256, 128, 128, "float"), (2, 6, 3, 65, 33, 24, 40, "bool"),
+    (2, 2, 2, 20, 10, 8, 8, "causal")])
+def test_short_seq_equals_float64_sdpa(dtype, b, hq, hkv, sq, sk, d, dv, mask_kind):
+    from spmd.runtime import triton_short_attention as tsa
+
+    q, k, v, mask = _inputs(b, hq, hkv, sq, sk, d, dv, dtype, mask_kind, b * sk + d)
+    causal = mask_kind == "causal"
+    assert tsa.eligible(q, k, v, mask, causal)
+    got = tsa.attention(q, k, v, mask, causal, None)
+    ref = _reference(q, k, v, mask, causal)
+    assert got.shape == ref.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else ka.TOLERANCE[dtype]  # float32 products in full precision, not TF32
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=tol * (1 + ref.abs().max().item()))
+    if mask_kind == "bool":
+        assert torch.equal(got[0], torch.zeros_like(got[0]))  # every key masked: 0, as math SDPA
+
+
+@gpu
+@needs_cuda
+def test_inputs_it_does_not_take():
+    from spmd.runtime import triton_short_attention as tsa
+
+    q, k, v, _ = _inputs(1, 4, 4, 8, 300, 32, 32, torch.bfloat16, "none", 0)
+    assert not tsa.eligible(q, k, v, None, False)  # more keys than one block
+    q, k, v, mask = _inputs(1, 4, 4, 8, 64, 32, 32, torch.bfloat16, "bool", 0)
+    assert not tsa.eligible(q, k, v, mask, True)  # a mask and is_causal: PyTorch rejects it
+    assert not tsa.eligible(q, k[:, :3], v[:, :3], None, False)  # 3 KV heads do not divide 4
+    assert not tsa.eligible(q.double(), k.double(), v.double(), None, False)
+    assert not tsa.eligible(q, k, v, mask.int(), False)  # integer masks
+    assert not tsa.eligible(q.transpose(2, 3), k, v, None, False)
+    big = torch.randn(1, 4, 8, 256, device="cuda", dtype=torch.bfloat16)
+    assert not tsa.eligible(big, big, big, None, False)  # head dim over 128
+
+
+@gpu
+@needs_cuda
+def test_an_encoder_attention_times_short_seq_among_the_backends():
+    q, k, v, mask = _inputs(8, 12, 12, 128, 128, 32, 32, torch.float32, "bool", 1)
+    key = ka._key(q, k, v, mask, False, None)
+    assert ka.SHORT_SEQ in key[-1] and ka.SPLIT_KV not in key[-1]
+    d = ka.decide(q, k, v, mask, False, None, candidates=key[-1])
+    assert ka.SHORT_SEQ in [n for n, _ in d.times_us], d.line()  # it ran, agreed with the reference and was timed
