@@ -12,6 +12,9 @@ slots; the medians over rounds are reported:
 
 * ``spmd``: ``spmd.Generator`` on a one-device mesh (prefill and decode programs, the decode
   step captured as a CUDA graph; KV cache donated);
+* ``spmd-pdl``: a second ``spmd.Generator`` of the same model (sharing its weights), whose calls
+  run with ``SPMD_PDL=1`` (``spmd.runtime.triton_pdl``), so its captured decode step launches
+  spmd's Triton kernels with programmatic dependent launch: a same-run A/B against ``spmd``;
 * ``torch.compile``: the gpt-fast recipe (PyTorch-Labs gpt-fast, 2023): the cache as module
   buffers written in place with ``index_copy_`` at the position, SDPA with a position mask,
   the decode step under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` and the
@@ -43,7 +46,7 @@ import torch
 from benchmarks import reporting
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-VARIANTS = ("spmd", "torch.compile", "eager")
+VARIANTS = ("spmd", "spmd-pdl", "torch.compile", "eager")
 
 
 class GptFastDecoder(torch.nn.Module):
@@ -99,6 +102,26 @@ def step_bytes(model, batch: int, max_seq: int) -> int:
     return weights + 2 * cfg.num_layers * batch * cfg.num_kv_heads * max_seq * cfg.head_dim * item
 
 
+def _with_env(name: str, value: str, fn):
+    """``fn()`` with environment variable ``name`` set to ``value``, restored after."""
+    import os
+
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+def _generate(gen, prompts, args):
+    res = gen.generate(prompts.tolist(), args.new_tokens)
+    return res.ttft_s, res.decode_s, res.tokens
+
+
 def build_variants(args, batch: int, device: str):
     """{name: () -> (ttft_s, decode_s, tokens)} for one batch size, plus the spmd model (for bytes)."""
     import spmd
@@ -128,6 +151,9 @@ def build_variants(args, batch: int, device: str):
         return res.ttft_s, res.decode_s, res.tokens
 
     variants = {"spmd": run_spmd}
+    if "spmd-pdl" in args.variants:
+        gen_pdl = Generator(model, mesh, max_batch=batch, max_seq=max_seq, prefill_len=args.prompt_len)
+        variants["spmd-pdl"] = lambda: _with_env("SPMD_PDL", "1", lambda: _generate(gen_pdl, prompts, args))
     base = GptFastDecoder(llama_lm("llama2-7b", layers, device=device, cache_update="inplace", **kw), batch, max_seq)
     if "torch.compile" in args.variants:
         pre = torch.compile(base.prefill, fullgraph=True)

@@ -11,7 +11,7 @@ captured as one CUDA graph per variant and replayed in interleaved rounds (media
 - ``plain``: stream-ordered launches, split-KV attention;
 - ``plain-sdpa``: the same with PyTorch's SDPA (cuDNN on an H200) for the attention;
 - ``pdl``: PDL, each program prefetching the first lines of its weight rows into L2
-  (``triton_pdl.PREFETCH_BUDGET_BYTES``);
+  (``PREFETCH_BYTES`` per launch; spmd's ``triton_pdl.PREFETCH_BUDGET_BYTES`` is 0 since this probe);
 - ``pdl-noprefetch``: PDL without the prefetch.
 
 Anchors in the same run: a device-to-device copy of one layer's bytes (the HBM limit for
@@ -42,6 +42,7 @@ from benchmarks.graph_timing import capture, time_interleaved
 
 HIDDEN, INNER, HEADS, HEAD_DIM, KEYS = 4096, 11008, 32, 128, 384
 VARIANTS = ("plain", "plain-sdpa", "pdl", "pdl-noprefetch")
+PREFETCH_BYTES = 8 * 2**20  # the ``pdl`` variant's prefetch per launch (spmd's default is none)
 #: (block_n, block_k, num_warps, num_stages) per product, as chosen in the 2026-12-02 decode runs
 ROW = {"qkv": (16, 256, 4, 3), "o": (16, 512, 8, 3), "gate-up": (16, 256, 4, 3), "down": (16, 512, 8, 3)}
 TILE = {"qkv": (32, 256, 4, 4), "o": (32, 256, 4, 4), "gate-up": (64, 128, 4, 4), "down": (32, 256, 4, 4)}
@@ -101,7 +102,7 @@ def variant_graph(name: str, x: torch.Tensor, layers: list[dict]):
 
     attention = "sdpa" if name == "plain-sdpa" else "split-kv"
     saved = triton_pdl.PREFETCH_BUDGET_BYTES
-    triton_pdl.PREFETCH_BUDGET_BYTES = 0 if name == "pdl-noprefetch" else saved
+    triton_pdl.PREFETCH_BUDGET_BYTES = 0 if name == "pdl-noprefetch" else PREFETCH_BYTES
     try:
         with _pdl(name.startswith("pdl")):
             return capture(lambda: [run_layer(x, layer, attention) for layer in layers], reps=1)

@@ -197,7 +197,7 @@ def run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     kernels (``TRITON_KERNELS``); PyTorch's RuntimeError ("No available kernel") where it does not
     accept these inputs (a RuntimeError too where a Triton kernel does not). Capture-safe: the
     flags act on the host dispatch only."""
-    if name in TRITON_KERNELS:
+    if name.split(":")[0] in TRITON_KERNELS:
         if not _triton_eligible(name, q, k, v, mask, is_causal):
             raise RuntimeError(f"{name}: no kernel for these inputs")
         if name == SPLIT_KV:
@@ -206,7 +206,7 @@ def run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
             return triton_decode_attention.attention(q, k, v, mask, scale)
         from spmd.runtime import triton_short_attention
 
-        return triton_short_attention.attention(q, k, v, mask, is_causal, scale)
+        return triton_short_attention.attention(q, k, v, mask, is_causal, scale, _short_config(name))
     with _FLAGS_LOCK, sdpa_kernel([BACKENDS[name]]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
 
@@ -216,7 +216,8 @@ def _on_gpu(q: Tensor) -> bool:
 
 
 def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> bool:
-    """Triton is installed and kernel ``name``'s ``eligible`` holds for these CUDA inputs."""
+    """Triton is installed and kernel ``name``'s ``eligible`` holds for these CUDA inputs (for a
+    ``short-seq:MxW`` name, with that configuration among the shape's ``configs``)."""
     if not q.is_cuda or q.dim() != 4 or (name == SPLIT_KV and q.shape[2] != 1):
         return False
     try:
@@ -226,7 +227,32 @@ def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | 
             from spmd.runtime import triton_short_attention as kernel
     except ImportError:
         return False
-    return kernel.eligible(q, k, v, mask, is_causal)
+    if not kernel.eligible(q, k, v, mask, is_causal):
+        return False
+    config = _short_config(name) if name != SPLIT_KV else None
+    return config is None or config in kernel.configs(q, k, v)
+
+
+def _short_config(name: str) -> tuple[int, int] | None:
+    """``short-seq:64x4`` -> (64, 4): the queries per program and warps a candidate name carries
+    (None for plain ``short-seq``: the kernel's default for the shape)."""
+    _, _, config = name.partition(":")
+    if not config:
+        return None
+    m, _, w = config.partition("x")
+    return int(m), int(w)
+
+
+def _triton_candidates(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> tuple[str, ...]:
+    """The Triton kernels these inputs can run, ``short-seq`` once per usable configuration."""
+    names: tuple[str, ...] = ()
+    if _triton_eligible(SPLIT_KV, q, k, v, mask, is_causal):
+        names += (SPLIT_KV,)
+    if _triton_eligible(SHORT_SEQ, q, k, v, mask, is_causal):
+        from spmd.runtime import triton_short_attention
+
+        names += tuple(f"{SHORT_SEQ}:{m}x{w}" for m, w in triton_short_attention.configs(q, k, v))
+    return names
 
 
 def _can_time(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -261,7 +287,7 @@ def _layout(t: Tensor | None) -> tuple:
 def _key(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None) -> tuple:
     with _FLAGS_LOCK:  # not while another thread holds its forced flags
         enabled = tuple(name for name, on in _ENABLED.items() if on())
-    enabled += tuple(n for n in TRITON_KERNELS if _triton_eligible(n, q, k, v, mask, is_causal))
+    enabled += _triton_candidates(q, k, v, mask, is_causal)
     return (_device_kind(q.device), _layout(q), _layout(k), _layout(v), _layout(mask), bool(is_causal), scale,
             enabled)
 

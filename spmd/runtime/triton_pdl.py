@@ -40,9 +40,11 @@ try:
 except ImportError:  # a Triton without grid dependency control: enabled() is False
     gdc_launch_dependents = gdc_wait = None
 
-#: Bytes of weights the programs of one launch prefetch into L2 in all before their ``gdc_wait``:
-#: about what HBM moves in a kernel's tail (a few µs at ~4 TB/s), far below the L2's 50 MiB.
-PREFETCH_BUDGET_BYTES = 8 * 2**20
+#: Bytes of weights the programs of one launch prefetch into L2 in all before their ``gdc_wait``.
+#: 0 (no prefetch): on a chain of Llama-2-7B decode-layer kernels (H200, bf16,
+#: ``benchmarks/probe/pdl_chain.py``, 2026-12-02) 8 MiB per launch measured 118.0 µs per layer at
+#: batch 1 and 184.9 at batch 8 against 116.1 and 182.2 with PDL alone.
+PREFETCH_BUDGET_BYTES = 0
 LINE_BYTES = 128
 _local = threading.local()
 

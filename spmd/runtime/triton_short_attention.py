@@ -10,7 +10,8 @@ bf16 kernel runs batch 128 at about 20 TFLOP/s and the memory-efficient float32 
 22 µs for 50 MFLOP at batch 8. When all keys fit one block (``MAX_KEYS``) the softmax needs no
 running rescale, so one program per (batch, head, block of ``block_m`` queries):
 
-1. loads its queries ``[block_m, D]`` and all keys ``[Sk, D]`` of its key/value head,
+1. loads its queries ``[block_m, D]`` (``block_m`` and the warps per program are timed per
+   shape among ``CONFIGS`` by the attention choice) and all keys ``[Sk, D]`` of its key/value head,
 2. computes the scores with one ``tl.dot`` (float32 accumulation; for float32 inputs with
    ``input_precision="ieee"``, full float32 products, not TF32), adds or applies the mask,
 3. takes the softmax over the row in float32 and multiplies by the values with a second
@@ -31,8 +32,11 @@ import triton.language as tl
 
 MAX_KEYS = 256  # all keys in one block: the scores tile [block_m, keys] stays in registers
 MAX_HEAD_DIM = 128
-_TILE_ELEMENTS = 8192  # block_m * keys: 64 float32 registers per thread at 4 warps
+_TILE_ELEMENTS = 8192  # block_m * keys per 4 warps: 64 float32 registers per thread for the scores
+_SMEM_BYTES = 160 * 2**10  # the key, value, query and probability tiles a program stages
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: (queries per program, warps) offered to the timed choice; a configuration a shape cannot use is left out
+CONFIGS = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 @triton.jit
@@ -102,6 +106,8 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return False
     if not (1 <= sk <= MAX_KEYS and sq >= 1 and 1 <= d <= MAX_HEAD_DIM and 1 <= v.shape[3] <= MAX_HEAD_DIM):
         return False
+    if not configs(q, k, v):
+        return False
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return False
     if mask is None:
@@ -114,29 +120,52 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return False
 
 
-def block_m(bh: int, queries: int, keys_block: int, num_sms: int) -> int:
-    """Queries per program: at most ``_TILE_ELEMENTS / keys_block`` (the scores tile in
-    registers) and 64, halved (down to 16) until there are at least two programs per SM."""
-    m = max(16, min(64, _TILE_ELEMENTS // keys_block, triton.next_power_of_2(queries)))
-    while m > 16 and bh * triton.cdiv(queries, m) < 2 * num_sms:
-        m //= 2
-    return m
+def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+    """(keys block, head-dim block of q / k, head-dim block of v): powers of two, at least 16."""
+    return tuple(max(16, triton.next_power_of_2(n)) for n in (k.shape[2], q.shape[3], v.shape[3]))
+
+
+def configs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The ``CONFIGS`` (queries per program, warps) these shapes can use: no more queries per
+    program than the next power of two of Sq (16 at least), a scores tile of at most
+    ``_TILE_ELEMENTS`` per 4 warps, and the staged tiles within ``_SMEM_BYTES``."""
+    block_n, block_d, block_dv = _blocks(q, k, v)
+    size = q.element_size()
+    most = max(16, triton.next_power_of_2(q.shape[2]))
+    return tuple((m, w) for m, w in CONFIGS
+                 if m <= most and m * block_n <= _TILE_ELEMENTS * w // 4
+                 and size * (block_n * (block_d + block_dv) + m * (block_d + block_n)) <= _SMEM_BYTES)
+
+
+def default_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_sms: int) -> tuple[int, int]:
+    """The configuration used when none is named: of ``configs``, the most queries per program at
+    4 warps that still leaves two programs per SM (else the fewest queries per program)."""
+    usable = configs(q, k, v)
+    four = [c for c in usable if c[1] == 4] or list(usable)
+    bh = q.shape[0] * q.shape[1]
+    enough = [c for c in four if bh * triton.cdiv(q.shape[2], c[0]) >= 2 * num_sms]
+    return max(enough) if enough else min(four)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-              scale: float | None, num_sms: int | None = None) -> torch.Tensor:
-    """``softmax(q @ k.T * scale + mask) @ v`` for ``eligible`` inputs: ``[B, Hq, Sq, Dv]`` in q's dtype.
+              scale: float | None, config: tuple[int, int] | None = None, num_sms: int | None = None) -> torch.Tensor:
+    """``softmax(q @ k.T * scale + mask) @ v`` for ``eligible`` inputs: ``[B, Hq, Sq, Dv]`` in q's
+    dtype, laid out as ``[B, Sq, Hq, Dv]`` (SDPA's flash and cuDNN outputs are too), so that the
+    usual ``transpose(1, 2).reshape(B, Sq, Hq * Dv)`` after attention is a view, not a copy.
 
-    ``scale``: None = ``1 / sqrt(D)``; ``num_sms``: the device's SM count (None: asked of CUDA).
-    The caller checks ``eligible``.
+    ``scale``: None = ``1 / sqrt(D)``; ``config``: (queries per program, warps), one of
+    ``configs(q, k, v)`` (None: ``default_config``); ``num_sms``: the device's SM count (None:
+    asked of CUDA). The caller checks ``eligible``.
     """
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    block_n = max(16, triton.next_power_of_2(sk))
-    bm = block_m(b * hq, sq, block_n, num_sms)
-    out = torch.empty(b, hq, sq, dv, dtype=q.dtype, device=q.device)
+    if config is None:
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        config = default_config(q, k, v, num_sms)
+    bm, warps = config
+    block_n, block_d, block_dv = _blocks(q, k, v)
+    out = torch.empty(b, sq, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     if mask is not None:
         mask = mask.expand(b, hq, sq, sk)
         if mask.dtype == torch.bool:
@@ -149,5 +178,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *m_strides, d, dv, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
         CAUSAL=bool(is_causal), IEEE=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)), num_warps=4)
+        BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
     return out

@@ -17,7 +17,12 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
                                   reason="needs a CUDA GPU of compute capability 9.0 or later")
 
 
-def test_prefetch_lines_share_the_budget_and_stay_inside_the_row():
+def test_no_prefetch_by_default():
+    assert triton_pdl.prefetch_lines(1, 1, 8192) == 0
+
+
+def test_prefetch_lines_share_the_budget_and_stay_inside_the_row(monkeypatch):
+    monkeypatch.setattr(triton_pdl, "PREFETCH_BUDGET_BYTES", 8 * 2**20)
     budget_lines = triton_pdl.PREFETCH_BUDGET_BYTES // triton_pdl.LINE_BYTES
     assert triton_pdl.prefetch_lines(1, 1, 8192) == 64  # the whole 8 KiB row
     assert triton_pdl.prefetch_lines(1, 1, 200) == 1  # only whole lines inside the row

@@ -66,10 +66,31 @@ def test_short_seq_equals_float64_sdpa(dtype, b, hq, hkv, sq, sk, d, dv, mask_ki
     got = tsa.attention(q, k, v, mask, causal, None)
     ref = _reference(q, k, v, mask, causal)
     assert got.shape == ref.shape and got.dtype == dtype
+    assert got.transpose(1, 2).is_contiguous()  # laid out [B, Sq, H, Dv], as SDPA's flash and cuDNN outputs
     tol = 1e-5 if dtype == torch.float32 else ka.TOLERANCE[dtype]  # float32 products in full precision, not TF32
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=tol * (1 + ref.abs().max().item()))
     if mask_kind == "bool":
         assert torch.equal(got[0], torch.zeros_like(got[0]))  # every key masked: 0, as math SDPA
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_configuration_gives_the_same_result(dtype):
+    from spmd.runtime import triton_short_attention as tsa
+
+    q, k, v, mask = _inputs(3, 4, 2, 100, 77, 32, 32, dtype, "float", 5)
+    usable = tsa.configs(q, k, v)
+    assert len(usable) == len(tsa.CONFIGS)  # 100 queries of 32 dims: every configuration fits
+    ref = _reference(q, k, v, mask, False)
+    tol = 1e-5 if dtype == torch.float32 else ka.TOLERANCE[dtype]
+    for config in usable:
+        got = tsa.attention(q, k, v, mask, False, None, config)
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=tol * (1 + ref.abs().max().item()), msg=str(config))
+    big = torch.randn(1, 2, 4, 128, device="cuda")
+    keys = torch.randn(1, 2, 256, 128, device="cuda")
+    assert not tsa.configs(big, keys, keys) and not tsa.eligible(big, keys, keys, None, False)  # over shared memory
+    assert max(tsa.configs(q[:, :, :9], k, v)) == (16, 4)  # no more queries per program than needed
 
 
 @gpu
@@ -94,6 +115,11 @@ def test_inputs_it_does_not_take():
 def test_an_encoder_attention_times_short_seq_among_the_backends():
     q, k, v, mask = _inputs(8, 12, 12, 128, 128, 32, 32, torch.float32, "bool", 1)
     key = ka._key(q, k, v, mask, False, None)
-    assert ka.SHORT_SEQ in key[-1] and ka.SPLIT_KV not in key[-1]
+    short = [n for n in key[-1] if n.startswith(ka.SHORT_SEQ + ":")]
+    assert len(short) > 1 and ka.SPLIT_KV not in key[-1]  # one candidate per usable configuration
     d = ka.decide(q, k, v, mask, False, None, candidates=key[-1])
-    assert ka.SHORT_SEQ in [n for n, _ in d.times_us], d.line()  # it ran, agreed with the reference and was timed
+    timed = [n for n, _ in d.times_us]
+    assert set(short) <= set(timed), d.line()  # each ran, agreed with the reference and was timed
+    if d.chosen in short:
+        assert torch.equal(ka.run_backend(d.chosen, q, k, v, mask, False, None),
+                           ka.run_backend(d.chosen, q, k, v, mask, False, None))
