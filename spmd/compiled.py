@@ -459,13 +459,13 @@ def compile_module(lowered) -> Compiled:
     from spmd.runtime import kernels_attention, kernels_epilogue
     from spmd.runtime.comm.cuda import p2p_all_reduce_max_bytes
     from spmd.runtime.kernels_fusion import fusion_compiler
-    from spmd.runtime.pdl_env import pdl_flag
+    from spmd.runtime.pdl_env import pdl_mode
 
     fusion_compiler(torch.device("cpu"))
     p2p_all_reduce_max_bytes()
     kernels_epilogue.choice_mode()
     kernels_attention.choice_mode()
-    pdl_flag()
+    pdl_mode()
     from spmd.runtime.executor import Executable
     from spmd.runtime.graphs import maybe_graph
 

@@ -163,7 +163,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)
     m_strides = (mask.stride(0), mask.stride(1), mask.stride(3)) if mask is not None else (0, 0, 0)
-    pdl = triton_pdl.enabled(q.device)
+    pdl = triton_pdl.enabled(q.device, b)
     launch = {"launch_pdl": True} if pdl else {}
     kv_lines = triton_pdl.prefetch_lines(1, 1, d * k.element_size()) if pdl else 0
     _partial[(b * hq, splits)](

@@ -17,10 +17,13 @@ Every kernel launched with PDL must call ``gdc_wait`` before touching anything a
 kernel wrote or reads, on every path: a kernel that skipped it could finish before its
 predecessor and break the stream order of the kernels after it.
 
-Off by default: ``SPMD_PDL=1`` turns it on (results are bit-equal either way). Measured on one
-H200 (Llama-2-7B, 32 layers, bf16, batch 1, docs/benchmarks.md 2026-12-02): the decode step took
-4.237 ms with it against 3.937 ms without (1.18x against 1.25x ``torch.compile`` in the same
-runs), and the isolated skinny products 0.5-1 µs longer; where the time goes was not profiled.
+Results are bit-equal with and without it. ``SPMD_PDL`` (``pdl_env``): ``auto`` (default) uses
+it for launches over one row only, ``1`` for every launch, ``0`` for none. Measured on one H200
+(Llama-2-7B, 32 layers, bf16, docs/benchmarks.md 2026-12-02), without the prefetch: the batch-1
+decode step took 3.714 ms with it against 3.787 ms without (same run, interleaved); on a chain of
+one layer's kernels at batch 8 it lost (182.2 against 161.4 µs per layer), where the tile kernels
+run several waves and the dependents' programs, launched early, wait on SMs the running kernel's
+later waves need.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd.runtime.pdl_env import pdl_flag
+from spmd.runtime.pdl_env import pdl_mode
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -56,13 +59,15 @@ def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` use PDL: ``SPMD_PDL=1``, a CUDA device of compute
-    capability ≥ 9.0, a Triton with ``gdc_wait`` and no ``disabled()`` block active.
+def enabled(device: torch.device, rows: int | None = None) -> bool:
+    """Whether a launch on ``device`` over ``rows`` rows (a product's M, an attention's batch;
+    None: unknown) uses PDL: ``SPMD_PDL`` is ``1``, or ``auto`` and ``rows == 1``; on a CUDA
+    device of compute capability ≥ 9.0, with a Triton that has ``gdc_wait``, outside ``disabled()``.
 
-    Raises ValueError for an ``SPMD_PDL`` other than ``0`` / ``1``.
+    Raises ValueError for an ``SPMD_PDL`` not in ``pdl_env.VALUES``.
     """
-    if not pdl_flag() or getattr(_local, "off", 0) or device.type != "cuda":
+    mode = pdl_mode()
+    if mode == "0" or (mode == "auto" and rows != 1) or getattr(_local, "off", 0) or device.type != "cuda":
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 

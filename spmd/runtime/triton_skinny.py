@@ -162,10 +162,10 @@ def _row_mm(x_ptr, w_ptr, out_ptr, g_ptr, N, K, stride_wn, eps, divisor, ACCUMUL
     tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _pdl_options(w: torch.Tensor, programs: int, block_n: int) -> dict:
-    """The PDL launch options (``triton_pdl``) of a launch of ``programs`` programs that stream
-    ``block_n`` rows of ``w`` each."""
-    if not triton_pdl.enabled(w.device):
+def _pdl_options(w: torch.Tensor, programs: int, block_n: int, rows: int) -> dict:
+    """The PDL launch options (``triton_pdl``) of a launch over ``rows`` rows of the input, of
+    ``programs`` programs that stream ``block_n`` rows of ``w`` each."""
+    if not triton_pdl.enabled(w.device, rows):
         return {"PDL": False, "PREFETCH_LINES": 0}
     lines = triton_pdl.prefetch_lines(programs, block_n, w.shape[1] * w.element_size())
     return {"PDL": True, "PREFETCH_LINES": lines, "launch_pdl": True}
@@ -183,7 +183,7 @@ def launch_row(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulat
     _row_mm[(grid,)](
         x, w, out, g, n, k, w.stride(0), float(eps), float(divisor), ACCUMULATE=accumulate, PROLOGUE=prologue,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, num_warps=num_warps,
-        num_stages=num_stages, **_pdl_options(w, grid, block_n))
+        num_stages=num_stages, **_pdl_options(w, grid, block_n, 1))
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulate: bool, block_n: int, block_k: int,
@@ -204,4 +204,4 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, accumulate: b
         x, w, out, g, m, n, k, x.stride(0), w.stride(0), out.stride(0), g.stride(0) if g.dim() == 2 else 0,
         float(eps), float(divisor), ACCUMULATE=accumulate, PROLOGUE=prologue, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, num_warps=num_warps,
-        num_stages=num_stages, **_pdl_options(w, grid, block_n))
+        num_stages=num_stages, **_pdl_options(w, grid, block_n, m))

@@ -33,18 +33,24 @@ def test_prefetch_lines_share_the_budget_and_stay_inside_the_row(monkeypatch):
         assert lines == 0 or (lines & (lines - 1) == 0 and programs * rows * lines <= budget_lines)
 
 
-def test_pdl_is_off_by_default_and_never_on_cpu(monkeypatch):
+def test_pdl_by_default_only_over_one_row_and_never_on_cpu(monkeypatch):
     monkeypatch.delenv("SPMD_PDL", raising=False)
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (9, 0)
+    assert triton_pdl.enabled(torch.device("cuda", 0), 1) is (hopper and triton_pdl.gdc_wait is not None)
+    assert not triton_pdl.enabled(torch.device("cuda", 0), 8)
     assert not triton_pdl.enabled(torch.device("cuda", 0))
+    monkeypatch.setenv("SPMD_PDL", "0")
+    assert not triton_pdl.enabled(torch.device("cuda", 0), 1)
     monkeypatch.setenv("SPMD_PDL", "1")
-    assert not triton_pdl.enabled(torch.device("cpu"))
+    assert triton_pdl.enabled(torch.device("cuda", 0), 8) is (hopper and triton_pdl.gdc_wait is not None)
+    assert not triton_pdl.enabled(torch.device("cpu"), 1)
     with triton_pdl.disabled():
-        assert not triton_pdl.enabled(torch.device("cuda", 0))
+        assert not triton_pdl.enabled(torch.device("cuda", 0), 1)
 
 
 def test_a_bad_spmd_pdl_names_the_variable(monkeypatch):
     monkeypatch.setenv("SPMD_PDL", "yes")
-    with pytest.raises(ValueError, match=r"SPMD_PDL: expected one of \('0', '1'\), got 'yes'"):
+    with pytest.raises(ValueError, match=r"SPMD_PDL: expected one of \('auto', '0', '1'\), got 'yes'"):
         triton_pdl.enabled(torch.device("cpu"))
 
 

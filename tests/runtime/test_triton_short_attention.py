@@ -62,7 +62,10 @@ def test_short_seq_equals_float64_sdpa(dtype, b, hq, hkv, sq, sk, d, dv, mask_ki
 
     q, k, v, mask = _inputs(b, hq, hkv, sq, sk, d, dv, dtype, mask_kind, b * sk + d)
     causal = mask_kind == "causal"
-    assert tsa.eligible(q, k, v, mask, causal)
+    over_smem = dtype == torch.float32 and sk == 256 and d == 128  # float32 keys + values: 256 KiB
+    assert tsa.eligible(q, k, v, mask, causal) is not over_smem
+    if over_smem:
+        return
     got = tsa.attention(q, k, v, mask, causal, None)
     ref = _reference(q, k, v, mask, causal)
     assert got.shape == ref.shape and got.dtype == dtype
