@@ -13,7 +13,11 @@ running rescale, so one program per (batch, head, block of ``block_m`` queries):
 1. loads its queries ``[block_m, D]`` (``block_m`` and the warps per program are timed per
    shape among ``CONFIGS`` by the attention choice) and all keys ``[Sk, D]`` of its key/value head,
 2. computes the scores with one ``tl.dot`` (float32 accumulation; for float32 inputs with
-   ``input_precision="ieee"``, full float32 products, not TF32), adds or applies the mask,
+   ``input_precision="tf32x3"``: each operand split into a TF32 high part and a TF32 remainder,
+   three tensor-core products, about float32 accuracy, NVIDIA CUTLASS's "3xTF32", which is what
+   PyTorch's own memory-efficient float32 attention runs on compute capability 8.0 and later
+   through CUTLASS's ``OpMultiplyAddFastF32``; plain TF32 is never used), adds or applies the mask
+   (a mask broadcast over the queries is loaded once per program, as one row),
 3. takes the softmax over the row in float32 and multiplies by the values with a second
    ``tl.dot`` (the probabilities cast to the values' dtype for 16-bit inputs, as flash kernels
    do; float32 stays float32).
@@ -43,7 +47,8 @@ CONFIGS = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
 def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                sm_b, sm_h, sm_q, sm_k, D, DV,
-               HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+               HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, MASK_ROW: tl.constexpr, CAUSAL: tl.constexpr,
+               F32: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     bh = tl.program_id(1)
     b = bh // HQ
@@ -61,15 +66,18 @@ def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
                 mask=key_ok[:, None] & (rd[None, :] < D), other=0.0)
     v = tl.load(v_ptr + b * sv_b + hk * sv_h + rn[:, None] * sv_s + rdv[None, :],
                 mask=key_ok[:, None] & (rdv[None, :] < DV), other=0.0)
-    if IEEE:
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if F32:
+        scores = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     else:
         scores = tl.dot(q, tl.trans(k))
     scores = scores * scale
     allowed = key_ok[None, :] & row_ok[:, None]
     if HAS_MASK:
-        mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rm[:, None] * sm_q + rn[None, :] * sm_k,
-                     mask=allowed, other=0)
+        if MASK_ROW:  # the same keys masked for every query (a padding mask): one row
+            mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rn * sm_k, mask=key_ok, other=0)[None, :]
+        else:
+            mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rm[:, None] * sm_q + rn[None, :] * sm_k,
+                         mask=allowed, other=0)
         if BOOL_MASK:
             allowed = allowed & (mk != 0)
         else:
@@ -81,8 +89,8 @@ def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
     shift = tl.where(big == float("-inf"), 0.0, big)  # every key masked: no NaN
     p = tl.exp(scores - shift[:, None])
     total = tl.sum(p, axis=1)
-    if IEEE:
-        acc = tl.dot(p, v, input_precision="ieee")
+    if F32:
+        acc = tl.dot(p, v, input_precision="tf32x3")
     else:
         acc = tl.dot(p.to(v.dtype), v)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0
@@ -177,6 +185,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *m_strides, d, dv, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
-        CAUSAL=bool(is_causal), IEEE=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=block_n,
+        MASK_ROW=mask is not None and (sq == 1 or mask.stride(2) == 0), CAUSAL=bool(is_causal),
+        F32=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
     return out
