@@ -299,3 +299,13 @@ def test_minilm_shaped_attention_through_jit_equals_float64(monkeypatch, dtype, 
     d = ka.DECISIONS[-1]
     assert d.chosen is not None and d.times_us and all(t > 0 for _, t in d.times_us), d.line()
     assert d.q_shape == (batch, 12, 128, 32) and all(_flags())
+
+
+@pytest.mark.parametrize("name", ka.TRITON_KERNELS)
+def test_spmd_triton_kernels_are_modes_and_never_run_on_cpu(monkeypatch, name):
+    monkeypatch.setenv(ka.CHOICE_ENV, name)
+    assert ka.choice_mode() == name
+    q, k = torch.randn(1, 4, 1, 16).half(), torch.randn(1, 4, 9, 16).half()
+    assert not ka._triton_eligible(name, q, k, k, None, False)
+    with pytest.raises(RuntimeError, match=name):
+        ka.run_backend(name, q, k, k, None, False, None)

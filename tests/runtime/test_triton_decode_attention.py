@@ -14,18 +14,6 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_the_mode_is_accepted(monkeypatch):
-    monkeypatch.setenv(ka.CHOICE_ENV, ka.SPLIT_KV)
-    assert ka.choice_mode() == ka.SPLIT_KV
-
-
-def test_cpu_inputs_are_never_split_kv():
-    q, k = torch.randn(1, 4, 1, 16).half(), torch.randn(1, 4, 9, 16).half()
-    assert not ka._triton_eligible(ka.SPLIT_KV, q, k, k, None, False)
-    with pytest.raises(RuntimeError, match="split-kv"):
-        ka.run_backend(ka.SPLIT_KV, q, k, k, None, False, None)
-
-
 def _inputs(b, hq, hkv, s, d, dtype, mask_kind, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, hq, 1, d, device="cuda", generator=g).to(dtype)

@@ -15,18 +15,6 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_the_mode_is_accepted(monkeypatch):
-    monkeypatch.setenv(ka.CHOICE_ENV, ka.SHORT_SEQ)
-    assert ka.choice_mode() == ka.SHORT_SEQ
-
-
-def test_cpu_inputs_are_never_short_seq():
-    q = torch.randn(2, 4, 8, 16)
-    assert not ka._triton_eligible(ka.SHORT_SEQ, q, q, q, None, False)
-    with pytest.raises(RuntimeError, match="short-seq"):
-        ka.run_backend(ka.SHORT_SEQ, q, q, q, None, False, None)
-
-
 def _inputs(b, hq, hkv, sq, sk, d, dv, dtype, mask_kind, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, hq, sq, d, device="cuda", generator=g).to(dtype)
