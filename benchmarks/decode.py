@@ -14,7 +14,11 @@ slots; the medians over rounds are reported:
   step captured as a CUDA graph; KV cache donated);
 * ``spmd-pdl``: a second ``spmd.Generator`` of the same model (sharing its weights), whose calls
   run with ``SPMD_PDL=1`` (``spmd.runtime.triton_pdl``), so its captured decode step launches
-  spmd's Triton kernels with programmatic dependent launch: a same-run A/B against ``spmd``;
+  spmd's Triton kernels with programmatic dependent launch. ``spmd`` runs with the process's
+  ``SPMD_PDL``, by default ``auto``, which already uses PDL for launches over one row: at batch 1
+  the two variants then run the same kernels, and at batch 8 ``spmd-pdl`` is PDL everywhere against
+  none. For a same-run A/B of PDL against none at every batch, run with ``SPMD_PDL=0`` (the
+  setting of ``spmd``; ``spmd-pdl`` sets ``1`` around its own calls);
 * ``torch.compile``: the gpt-fast recipe (PyTorch-Labs gpt-fast, 2023): the cache as module
   buffers written in place with ``index_copy_`` at the position, SDPA with a position mask,
   the decode step under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` and the

@@ -170,14 +170,33 @@ class Jitted:
         and a ``ShardedArray`` laid out alike share a key."""
         specs = self._entry_shardings(args, tree)
         parts: list = [tree]
-        for leaf, spec in zip(leaves, specs):
+        for i, (leaf, spec) in enumerate(zip(leaves, specs)):
             if isinstance(leaf, ShardedArray):
                 parts.append((tuple(leaf.shape), leaf.dtype, leaf.sharding))
             elif isinstance(leaf, torch.Tensor):
                 parts.append((tuple(leaf.shape), leaf.dtype, spec or self._replicated))
             else:
-                parts.append(("static", type(leaf), _hashable_static(leaf)))
+                parts.append(("static", type(leaf), self._hashable_static(args, i, leaf)))
         return tuple(parts)
+
+    def _hashable_static(self, args: tuple, index: int, leaf):
+        """A static (non-tensor) leaf (flat leaf ``index`` of ``args``) as a cache-key part.
+
+        Raises TypeError for an unhashable one, naming the argument: the error of a non-tensor
+        argument given a sharding (``lowering.check_tensor_arguments``) where ``in_shardings``
+        gives it one, else one naming its position (``args[2]``, ``args[0]['x']``).
+        """
+        try:
+            hash(leaf)
+        except TypeError:
+            from spmd.lowering import check_tensor_arguments
+
+            check_tensor_arguments(self.in_shardings, args, self.__name__)
+            path = pytree.keystr(pytree.tree_flatten_with_path(args)[0][index][0])
+            hint = " (convert it with torch.from_numpy)" if type(leaf).__module__ == "numpy" else ""
+            raise TypeError(f"{self.__name__}: argument args{path}: expected a torch.Tensor, spmd.ShardedArray or a "
+                            f"hashable static value, got unhashable {type(leaf).__name__}{hint}") from None
+        return leaf
 
     def _entry_shardings(self, args: tuple, tree) -> list:
         """Per flat leaf, the ``NamedSharding`` of ``in_shardings`` for it (or None); cached per structure.
@@ -206,17 +225,6 @@ class Jitted:
 
         with COMPILE_LOCK:
             return lower_function(self, args)
-
-
-def _hashable_static(leaf):
-    """A static (non-tensor) argument leaf as a cache-key part; raises TypeError for unhashable ones."""
-    try:
-        hash(leaf)
-    except TypeError:
-        hint = " (convert it with torch.from_numpy)" if type(leaf).__module__ == "numpy" else ""
-        raise TypeError(f"argument of type {type(leaf).__name__} is neither a tensor nor a hashable static "
-                        f"value{hint}") from None
-    return leaf
 
 
 class Lowered:

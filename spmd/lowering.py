@@ -316,6 +316,11 @@ def _annotate(module: Module, mesh, in_leaves, out_shardings, out_tree) -> None:
     n_out = out_tree.num_leaves
     outs = pytree.tree_unflatten([0] * n_out, out_tree)
     n_top = len(outs) if isinstance(outs, tuple) else 1
+    if isinstance(outs, tuple) and not _is_spec_leaf(out_shardings) \
+            and not isinstance(out_shardings, (tuple, list)):
+        raise TypeError(f"out_shardings: expected a PartitionSpec, NamedSharding, None or a tuple / list with "
+                        f"one entry per output (the function returns a tuple of {n_top}), got "
+                        f"{type(out_shardings).__name__} {out_shardings!r}")
     if not _is_spec_leaf(out_shardings) and isinstance(out_shardings, (tuple, list)) \
             and len(out_shardings) != n_top:
         raise ValueError(f"out_shardings has {len(out_shardings)} entries, but the function returns "

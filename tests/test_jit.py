@@ -354,3 +354,22 @@ def test_a_process_wide_cache_hit_names_its_own_output_shardings():
     arr = spmd.device_put(x, NamedSharding(mesh, P()))
     for spec in (P(None, "tp"), P("tp", None)):
         assert arr.reshard(NamedSharding(mesh, spec)).sharding == NamedSharding(mesh, spec)
+
+
+def test_an_unhashable_non_tensor_argument_is_named():
+    # a numpy array used to fail with "argument of type ndarray is neither a tensor nor a hashable
+    # static value", naming no argument, even where in_shardings gave that argument a sharding
+    import numpy as np
+
+    mesh = spmd.Mesh.create(("tp",), devices="cpu:2")
+
+    def f(a, b):
+        return a * 2
+
+    with pytest.raises(TypeError, match=r"f: argument 1: expected a torch.Tensor or spmd.ShardedArray .* got ndarray"):
+        spmd.jit(f, mesh=mesh, in_shardings=(P(), P()))(torch.ones(2), np.ones(3))
+    with pytest.raises(TypeError, match=r"f: argument args\[1\]\['x'\]\[1\]: expected a torch.Tensor, "
+                                        r"spmd.ShardedArray or a hashable static value, got unhashable ndarray "
+                                        r"\(convert it with torch.from_numpy\)"):
+        spmd.jit(f, mesh=mesh)(torch.ones(2), {"x": [1, np.ones(2)]})
+    assert torch.equal(spmd.jit(f, mesh=mesh)(torch.ones(2), {"x": [1, 2]}).to_torch(), torch.full((2,), 2.0))

@@ -70,3 +70,17 @@ def test_an_arithmetic_error_while_tracing_is_a_value_error():
     with pytest.raises(ValueError, match=r"tracing failed: float division by zero \(argument shapes args\[0\]: "
                                          r"\(3, 3\), args\[1\]: \(0, 3\)\)"):
         f(torch.randn(3, 3), torch.randn(0, 3))
+
+
+@pytest.mark.parametrize("out_shardings", [{"a": P()}, {"a": P(), "b": P("tp")}, 5, "tp"])
+def test_out_shardings_that_is_no_spec_and_no_sequence_for_a_tuple_output_is_a_type_error(out_shardings):
+    # a dict (or a str, an int) for a function returning a tuple was iterated as if it had one
+    # entry per output: "'int' object is not iterable", or "one per argument ... called with 2 arguments"
+    mesh = spmd.Mesh.create({"tp": 2}, devices="cpu:2")
+    f = spmd.jit(lambda a: (a, a * 2), mesh=mesh, in_shardings=(P(),), out_shardings=out_shardings)
+    with pytest.raises(TypeError, match=r"out_shardings: expected a PartitionSpec, NamedSharding, None or a "
+                                        r"tuple / list with one entry per output \(the function returns a tuple "
+                                        r"of 2\), got " + type(out_shardings).__name__):
+        f(torch.randn(4, 4))
+    ok = spmd.jit(lambda a: (a, a * 2), mesh=mesh, in_shardings=(P(),), out_shardings=[P(), P("tp")])(torch.ones(4, 4))
+    assert ok[1].sharding == NamedSharding(mesh, P("tp"))

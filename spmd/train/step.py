@@ -264,9 +264,16 @@ class TrainStep:
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Replace params and optimizer state from ``state_dict()``-style tensors (exact copies).
 
-        Raises ValueError for a missing or extra key or a shape / dtype that differs.
+        Raises TypeError for ``sd`` not a dict or a value not a ``torch.Tensor``, ValueError for a
+        missing or extra key or a shape / dtype that differs (nothing is replaced then).
         """
+        if not isinstance(sd, dict):
+            raise TypeError(f"state_dict: expected a dict of tensors (as state_dict() returns), "
+                            f"got {type(sd).__name__}")
         expected = self.state_dict_shapes()
+        bad = next((k for k in expected if k in sd and not isinstance(sd[k], torch.Tensor)), None)
+        if bad is not None:
+            raise TypeError(f"state_dict[{bad!r}]: expected a torch.Tensor, got {type(sd[bad]).__name__}")
         if set(sd) != set(expected):
             raise ValueError(f"state_dict: keys differ; missing {sorted(set(expected) - set(sd))[:5]}, "
                              f"unexpected {sorted(set(sd) - set(expected))[:5]}")

@@ -10,6 +10,7 @@ mask (bf16, float32) and a causal case through ``spmd.jit`` against float64, wit
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -261,6 +262,22 @@ def test_an_unknown_mode_names_the_variable(monkeypatch):
     monkeypatch.setattr(ka, "_on_gpu", lambda q: True)
     with pytest.raises(ValueError, match="SPMD_ATTENTION_CHOICE.*'fastest'"):
         ka.sdpa(*_inputs(), False, None)
+
+
+
+@pytest.mark.parametrize("mode", ["short-seq", "split-kv", "default"])
+def test_the_kernel_modes_are_accepted(monkeypatch, mode):
+    monkeypatch.setenv(ka.CHOICE_ENV, mode)
+    assert ka.choice_mode() == mode
+
+
+@pytest.mark.parametrize("mode", ["short-seq:64x4", "SHORT-SEQ", " auto"])
+def test_a_candidate_name_is_not_a_mode(monkeypatch, mode):
+    # candidate names of the timed choice carry a configuration; the variable takes kernels only
+    monkeypatch.setenv(ka.CHOICE_ENV, mode)
+    expected = r"SPMD_ATTENTION_CHOICE: expected one of \(.*'short-seq'\), got "
+    with pytest.raises(ValueError, match=expected + re.escape(repr(mode))):
+        ka.choice_mode()
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -195,6 +195,25 @@ def test_save_and_load_resume_bit_for_bit(tmp_path):
     assert all(torch.equal(end[k], want[k]) for k in want)
 
 
+
+@pytest.mark.parametrize("bad, match", [
+    ("numpy", r"state_dict\['param.0.weight'\]: expected a torch.Tensor, got ndarray"),
+    ("list", r"state_dict\['opt.step'\]: expected a torch.Tensor, got list"),
+    ("none", r"state_dict: expected a dict of tensors .* got NoneType")])
+def test_load_state_dict_of_non_tensors_is_a_type_error_and_nothing_is_replaced(bad, match):
+    # a list value used to fail with AttributeError ('list' object has no attribute 'shape')
+    mesh = Mesh.create(("dp",), devices="cpu:2")
+    step = make_train_step(_tiny(), mesh, None, _mse, optimizer=AdamW(lr=0.05))
+    sd = step.state_dict()
+    given = {"numpy": {**sd, "param.0.weight": sd["param.0.weight"].numpy()}, "list": {**sd, "opt.step": [0.0]},
+             "none": None}[bad]
+    params = step.params
+    with pytest.raises(TypeError, match=match):
+        step.load_state_dict(given)
+    assert step.params is params
+    step.load_state_dict(sd)
+
+
 @pytest.mark.parametrize("how", ["func", "autograd"])
 def test_gradient_of_integer_input_is_a_type_error(how):
     def by_func(w, ids):
