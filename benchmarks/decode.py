@@ -12,20 +12,18 @@ slots; the medians over rounds are reported:
 
 * ``spmd``: ``spmd.Generator`` on a one-device mesh (prefill and decode programs, the decode
   step captured as a CUDA graph; KV cache donated);
-* ``spmd-pdl``: a second ``spmd.Generator`` of the same model (sharing its weights), whose calls
-  run with ``SPMD_PDL=1`` (``spmd.runtime.triton_pdl``), so its captured decode step launches
-  spmd's Triton kernels with programmatic dependent launch. ``spmd`` runs with the process's
-  ``SPMD_PDL``, by default ``auto``, which already uses PDL for launches over one row: at batch 1
-  the two variants then run the same kernels, and at batch 8 ``spmd-pdl`` is PDL everywhere against
-  none. For a same-run A/B of PDL against none at every batch, run with ``SPMD_PDL=0`` (the
-  setting of ``spmd``; ``spmd-pdl`` sets ``1`` around its own calls);
+* ``spmd-no-pdl`` and ``spmd-pdl`` (not run unless named in ``--variants``): a second
+  ``spmd.Generator`` of the same model (sharing its weights) whose calls run with ``SPMD_PDL=0``
+  or ``SPMD_PDL=1`` (``spmd.runtime.triton_pdl``): no programmatic dependent launch, or PDL for
+  every Triton launch, against ``spmd`` with the process's setting (by default ``auto``: PDL for
+  launches over one row): a same-run, interleaved A/B;
 * ``torch.compile``: the gpt-fast recipe (PyTorch-Labs gpt-fast, 2023): the cache as module
   buffers written in place with ``index_copy_`` at the position, SDPA with a position mask,
   the decode step under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` and the
   prefill under ``torch.compile(fullgraph=True)``;
 * ``eager``: the same module and step without compilation.
 
-All three run the same ``spmd.models.llama_lm.LlamaForCausalLM`` code with the same seeded
+Every variant runs the same ``spmd.models.llama_lm.LlamaForCausalLM`` code with the same seeded
 weights. Columns: decode tokens/s (batch x (new - 1) / decode time), ms per step, time to first
 token (prefill + first token), the effective bandwidth (weights + whole KV cache read per step /
 step time) and its fraction of ``--hbm-tbps`` (H200: 4.8 TB/s), peak memory, and the share of
@@ -40,6 +38,7 @@ import signal
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -50,7 +49,9 @@ import torch
 from benchmarks import reporting
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-VARIANTS = ("spmd", "spmd-pdl", "torch.compile", "eager")
+VARIANTS = ("spmd", "spmd-no-pdl", "spmd-pdl", "torch.compile", "eager")
+DEFAULT_VARIANTS = ("spmd", "torch.compile", "eager")
+PDL_VARIANTS = {"spmd-no-pdl": "0", "spmd-pdl": "1"}  # variant -> SPMD_PDL around its calls
 
 
 class GptFastDecoder(torch.nn.Module):
@@ -155,9 +156,10 @@ def build_variants(args, batch: int, device: str):
         return res.ttft_s, res.decode_s, res.tokens
 
     variants = {"spmd": run_spmd}
-    if "spmd-pdl" in args.variants:
-        gen_pdl = Generator(model, mesh, max_batch=batch, max_seq=max_seq, prefill_len=args.prompt_len)
-        variants["spmd-pdl"] = lambda: _with_env("SPMD_PDL", "1", lambda: _generate(gen_pdl, prompts, args))
+    for name, setting in PDL_VARIANTS.items():
+        if name in args.variants:
+            other = Generator(model, mesh, max_batch=batch, max_seq=max_seq, prefill_len=args.prompt_len)
+            variants[name] = partial(_with_env, "SPMD_PDL", setting, partial(_generate, other, prompts, args))
     base = GptFastDecoder(llama_lm("llama2-7b", layers, device=device, cache_update="inplace", **kw), batch, max_seq)
     if "torch.compile" in args.variants:
         pre = torch.compile(base.prefill, fullgraph=True)
@@ -253,7 +255,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-rounds", type=int, default=3,
                    help="untimed rounds first (default 3: the first prefills of a process compile and capture "
                         "CUDA graphs; a run with 2 still captured during its third prefill)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="peak HBM bandwidth, TB/s (H200: 4.8)")
     p.add_argument("--profile", type=int, default=0, metavar="TOP",
                    help="after timing, print each variant's TOP longest kernels of one generation (CUDA only)")

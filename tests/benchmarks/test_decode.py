@@ -1,5 +1,7 @@
 """benchmarks.decode: bytes per step, the table and a CPU dry run (spmd and eager, no docs)."""
 
+import os
+
 import pytest
 import torch
 
@@ -34,3 +36,13 @@ def test_cpu_small_dry_run(capsys):
                         "--new-tokens", "6", "--variants", "spmd", "eager", "--no-doc"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "spmd" in out and "eager" in out and "failed" not in out
+
+
+def test_the_pdl_variants_are_asked_for_and_leave_spmd_pdl_as_it_was(capsys, monkeypatch):
+    assert decode.parse_args([]).variants == list(decode.DEFAULT_VARIANTS)
+    monkeypatch.delenv("SPMD_PDL", raising=False)
+    assert decode.main(["--device", "cpu", "--small", "--batch", "1", "--rounds", "1", "--warmup-rounds", "0",
+                        "--new-tokens", "4", "--variants", "spmd", "spmd-no-pdl", "spmd-pdl", "--no-doc"]) == 0
+    out = capsys.readouterr().out
+    assert "spmd-no-pdl" in out and "spmd-pdl" in out and "failed" not in out
+    assert "SPMD_PDL" not in os.environ
