@@ -239,6 +239,24 @@ def test_tolerance_of_a_cancelling_float64_sum_scales_with_its_terms():
             compare_float(0, wrong, ref, e32, ref, noise=noise)
 
 
+def test_tolerance_of_a_cancelling_float32_sum_scales_with_float32_rounding():
+    """Seed 12 #2082: relu(sum of 5 float32 layer-norm outputs) is ~1e-17 in float64; eager's float32
+    sum came out negative (relu: 0, exactly the reference's size) and spmd's +5e-8, float32 rounding of
+    the size-1 terms. The float64 noise scaled to float32's eps admits it; real errors stay wrong."""
+    g = torch.Generator().manual_seed(2082)
+    x = torch.nn.functional.layer_norm(torch.randn(5, generator=g, dtype=torch.float64), (5,))
+    ref = x.sum(-1, keepdim=True).relu() + 1e-17
+    eager = torch.zeros(1, dtype=torch.float32)
+    got = ref.float() + 5e-8
+    noise = torch.full_like(ref, 2 * torch.finfo(torch.float64).eps)  # perturbed float64 runs: ulps of 1
+    assert compare_float(0, got, eager, eager, ref, noise=noise) <= 1.0
+    with pytest.raises(Wrong, match="error"):
+        compare_float(0, got, eager, eager, ref)  # without the noise: 5e-8 against |ref| ~1e-17
+    for wrong in (ref.float() + 1e-5, ref.float() + 0.1, x[:4].sum(-1, keepdim=True).float()):
+        with pytest.raises(Wrong, match="error"):
+            compare_float(0, wrong, eager, eager, ref, noise=noise)
+
+
 def test_reference_noise_is_rounding_sized_and_median_reference_is_eagers_right_answer():
     """``references`` on a case: the float64 noise of a well-conditioned output is a few ulps of it
     (so it loosens nothing there), and the reference of ``median`` along an expanded dim is the
