@@ -14,7 +14,7 @@ inputs as drawn, upcast exactly; every cast in the program to F32/F64/BF16/F16 b
 PyTorch eager itself makes in the program's own dtypes sets the bar:
 
     est = max(err(eager), err(eager_f32) * eps(out dtype) / eps(float32),
-              noise / max|ref| * eps(out dtype) / eps(float64))
+              noise / max|ref| * max(1, eps(out dtype) / (NOISE_ULPS * eps(float64))))
     pass  iff  err(spmd) <= K * est + ATOL[out dtype]
 
 ``eager_f32`` (every float dtype mapped to float32) measures the program's conditioning, which the
@@ -254,6 +254,13 @@ def lowest_dtype(case: Case, name: str, out_dtype: torch.dtype) -> torch.dtype:
     return lowest
 
 
+def _noise_to(dt: torch.dtype) -> float:
+    """The factor from the float64 noise (inputs perturbed by ``NOISE_ULPS`` float64 ulps) to the
+    rounding noise of a run in ``dt``: one ulp of ``dt`` per ``NOISE_ULPS`` ulps of float64, never
+    below 1 (float64 outputs keep their measured noise)."""
+    return max(1.0, EPS[dt] / (NOISE_ULPS * EPS[torch.float64]))
+
+
 def compare_float(i: int, got, eager, e32, ref, floor: torch.dtype | None = None, noise=None) -> float:
     """Raise Wrong unless ``got`` is within tolerance (module docstring); returns err(spmd) / tolerance.
 
@@ -280,7 +287,7 @@ def compare_float(i: int, got, eager, e32, ref, floor: torch.dtype | None = None
     err = lambda y: ((y - ref)[cmp & torch.isfinite(y)].abs().max().item() if (cmp & torch.isfinite(y)).any()
                      else 0.0) / scale  # noqa: E731
     est = max(err(eager), err(e32) * EPS[dt] / EPS[torch.float32],
-              noise.double()[cmp].max().item() / scale * EPS[dt] / EPS[torch.float64] if noise is not None else 0.0)
+              noise.double()[cmp].max().item() / scale * _noise_to(dt) if noise is not None else 0.0)
     tol = K * est + ATOL[dt]
     e_got = err(got)
     if not e_got <= tol:
