@@ -105,6 +105,21 @@ def test_the_default_is_kept_unless_clearly_beaten():
     assert ka.choose(list(outputs), run, reference, time_us, 1e-2, default="cudnn")[0] == "efficient"
 
 
+def test_a_float32_kernel_computing_in_tf32_is_never_chosen():
+    """float32 attention through TF32 products (10-bit mantissas: ~1e-3 relative) disagrees with
+    the float32 reference beyond ``TOLERANCE[float32]``; 3xTF32 (~1e-6) agrees."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(2, 3, 16, 8, generator=g, dtype=torch.float64)
+    tf32 = ref * (1 + 2.0 ** -11 * torch.randn(ref.shape, generator=g, dtype=torch.float64).sign())
+    x3 = ref * (1 + 2.0 ** -21 * torch.randn(ref.shape, generator=g, dtype=torch.float64).sign())
+    outputs = {"short-seq:64x4": tf32.float(), "short-seq:32x4": x3.float(), "efficient": ref.float()}
+    run, reference, time_us, _, _ = _fake(outputs, ref.float(), {"short-seq:64x4": 1.0, "short-seq:32x4": 2.0,
+                                                                   "efficient": 3.0})
+    chosen, _, skipped = ka.choose(list(outputs), run, reference, time_us, ka.TOLERANCE[torch.float32],
+                                   default="efficient")
+    assert chosen == "short-seq:32x4" and [n for n, _ in skipped] == ["short-seq:64x4"]
+
+
 def test_the_reference_may_cover_only_the_first_rows():
     ref = torch.randn(1, 3, 4)
     good = torch.cat([ref, torch.randn(2, 3, 4)])  # rows past the reference are not compared
