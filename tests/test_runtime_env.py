@@ -9,7 +9,8 @@ from spmd import PartitionSpec as P
 
 @pytest.mark.parametrize("var,value", [("SPMD_FUSION_COMPILER", "bogus"), ("SPMD_P2P_ALL_REDUCE_MAX_BYTES", "abc"),
                                        ("SPMD_P2P_ALL_REDUCE_MAX_BYTES", "-1"), ("SPMD_EPILOGUE_CHOICE", "on"),
-                                       ("SPMD_ATTENTION_CHOICE", "bogus"), ("SPMD_PDL", "2"), ("SPMD_PDL", "on")])
+                                       ("SPMD_ATTENTION_CHOICE", "bogus"), ("SPMD_PDL", "2"), ("SPMD_PDL", "on"),
+                                       ("SPMD_VERIFY", "maybe"), ("SPMD_VERIFY", "true")])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_bad_environment_variable_fails_the_first_call(monkeypatch, var, value, fuse):
     monkeypatch.setenv(var, value)

@@ -173,7 +173,16 @@ class CompileOptions:
 
     @property
     def verify_enabled(self) -> bool:
-        return self.verify if self.verify is not None else os.environ.get("SPMD_VERIFY", "") not in ("", "0")
+        """``verify``, else ``SPMD_VERIFY``: ``1`` on, ``0``, empty or unset off.
+
+        Raises ValueError naming ``SPMD_VERIFY`` for any other value (expected 0 or 1, got it).
+        """
+        if self.verify is not None:
+            return self.verify
+        flag = os.environ.get("SPMD_VERIFY", "") or "0"
+        if flag not in ("0", "1"):
+            raise ValueError(f"SPMD_VERIFY: expected one of ('0', '1'), got {flag!r}")
+        return flag == "1"
 
     @property
     def dump_path(self) -> Path | None:
