@@ -156,8 +156,8 @@ class Compiled:
         """What the process-wide compile cache keeps of this program (``CompiledTemplate``)."""
         cache = self.weight_cache
         template = CompiledTemplate(_own_runner(self.executable), None if cache is None else cache.fork(), self.buffers)
-        if self.weight_cache is not None:
-            template.caches[self.lowered.jitted] = self.weight_cache
+        if cache is not None:
+            template.caches[self.lowered.jitted] = cache
         return template
 
     def _donated_leaves(self) -> list[int]:

@@ -30,6 +30,7 @@ import torch
 
 from spmd import metrics
 from spmd.array import device_put
+from spmd.generation.checks import positive_int
 from spmd.generation.placement import place_params
 from spmd.generation.sampling import Sampling, initial_rng_state, sample
 from spmd.jit import jit
@@ -122,15 +123,6 @@ def _check_prompt_type(i: int, p) -> None:
                         f"got {type(p).__name__}")
 
 
-def _positive_int(name: str, value) -> int:
-    """``value`` as a Python int (numpy integers included); TypeError for a non-integer, ValueError below 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    return int(value)
-
-
 class Generator:
     """Prefill and decode programs for ``model`` on ``mesh``, with a preallocated sharded KV cache.
 
@@ -159,7 +151,7 @@ class Generator:
             raise TypeError(f"model: expected a spmd.models.llama_lm.LlamaForCausalLM, got {type(model).__name__}")
         if not isinstance(mesh, Mesh):
             raise TypeError(f"mesh: expected a spmd.Mesh, got {type(mesh).__name__}")
-        max_batch, max_seq, prefill_len = (_positive_int(name, v) for name, v in (
+        max_batch, max_seq, prefill_len = (positive_int(name, v) for name, v in (
             ("max_batch", max_batch), ("max_seq", max_seq), ("prefill_len", prefill_len)))
         if options is not None and not isinstance(options, CompileOptions):
             raise TypeError(f"options: expected a spmd.CompileOptions or None, got {type(options).__name__}")
@@ -250,7 +242,7 @@ class Generator:
         return out
 
     def _check_new_tokens(self, max_new_tokens) -> None:
-        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
         last = self.prefill_len + max_new_tokens - 1
         if last > self.max_seq:
             raise ValueError(f"max_new_tokens: {max_new_tokens} new tokens after a prefill of {self.prefill_len} "
@@ -375,8 +367,8 @@ def generate(model: LlamaForCausalLM, mesh: Mesh, prompts, max_new_tokens: int, 
     for i, p in enumerate(prompts):
         _check_prompt_type(i, p)
     prefill_len = max(max(len(p) for p in prompts), 1)
-    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
-    max_seq = None if max_seq is None else _positive_int("max_seq", max_seq)
+    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+    max_seq = None if max_seq is None else positive_int("max_seq", max_seq)
     if max_seq is not None and max_seq < prefill_len + max_new_tokens - 1:
         raise ValueError(f"max_seq: the longest prompt ({prefill_len} tokens) and {max_new_tokens} new tokens need "
                          f"{prefill_len + max_new_tokens - 1} cache positions, got max_seq={max_seq}")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from spmd.generation.checks import positive_int
 from spmd.generation.sampling import Sampling, initial_rng_state, sample
 from spmd.models.llama_lm import LlamaForCausalLM
 
@@ -28,11 +27,7 @@ def _check(model: LlamaForCausalLM, tokens, start, max_new_tokens, max_seq, samp
     if b and (int(start.min()) < 0 or int(start.max()) >= p):
         raise ValueError(f"start: expected slots in [0, {p}) (P = tokens.shape[1]), got "
                          f"{int(start.min())}..{int(start.max())}")
-    for name, v in (("max_new_tokens", max_new_tokens), ("max_seq", max_seq)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{name}: expected an int >= 1, got {type(v).__name__} {v!r}")
-        if v < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    max_new_tokens, max_seq = positive_int("max_new_tokens", max_new_tokens), positive_int("max_seq", max_seq)
     if p + max_new_tokens - 1 > max_seq:
         raise ValueError(f"max_seq: a prefill of {p} and {max_new_tokens} new tokens need {p + max_new_tokens - 1} "
                          f"cache positions, got max_seq={max_seq}")

@@ -234,12 +234,7 @@ class WeightCache:
         streams) gets events recorded on the current streams of its CUDA devices.
         """
         if self._cuda and ready and ready[0] is None:
-            if self._call_events is None:
-                self._call_events = [torch.cuda.Event() if d.type == "cuda" else None for d in self.prologue.devices]
-            for dev, ev in zip(self.prologue.devices, self._call_events, strict=True):
-                if ev is not None:
-                    ev.record(torch.cuda.current_stream(dev))
-            ready = self._call_events
+            ready = self._call_events = _record(self.prologue.devices, self._call_events)
         self.last_ready = ready
         if self.constants is not None:
             self.constants.last_ready = ready
@@ -300,16 +295,15 @@ class WeightCache:
 _BUFFERS = operator.attrgetter("_buffers")
 
 
-def _record(devices: Sequence[torch.device]) -> list[Any]:
-    """Per device, an event recorded on its current stream (None for a CPU device)."""
-    out = []
-    for dev in devices:
-        ev = None
-        if dev.type == "cuda":
-            ev = torch.cuda.Event()
+def _record(devices: Sequence[torch.device], events: list[Any] | None = None) -> list[Any]:
+    """Per device, an event recorded on its current stream (None for a CPU device): ``events``
+    recorded again when given (no allocation per call), else new ones."""
+    if events is None:
+        events = [torch.cuda.Event() if dev.type == "cuda" else None for dev in devices]
+    for dev, ev in zip(devices, events, strict=True):
+        if ev is not None:
             ev.record(torch.cuda.current_stream(dev))
-        out.append(ev)
-    return out
+    return events
 
 
 def _single(i: int):
