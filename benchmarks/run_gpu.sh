@@ -3,7 +3,7 @@
 #
 # Usage (from anywhere; it cds to the repository root):
 #   benchmarks/run_gpu.sh [STAGE ...]      STAGE: env | tests | fuzz | cm | dispatch | onegpu | decode | train |
-#                                          smallar | pdl | twogen | gaps | all
+#                                          smallar | pdl | twogen | gaps | probe | all
 #                                          (default: all)
 # Environment knobs:
 #   OUT=dir          where logs/results go (default /tmp/spmd_bench_out): run.log, gpu_tests.log,
@@ -20,6 +20,8 @@
 #   TRAIN_ARGS=..    extra options for benchmarks/train.py (e.g. "--model gpt3 --layers 1")
 #   PDL_ARGS=..      extra options for benchmarks/probe/pdl_chain.py (e.g. "--batch 1 --layers 4")
 #   GAPS_ARGS=..    extra options for benchmarks/probe/row_gaps.py (e.g. "--rows llama2-2l-bf16-4x2048")
+#   PROBES=..       for stage probe: ';'-separated modules of benchmarks/probe with their options
+#                    (e.g. "gelu_erf --rounds 5;attention_choice"), run one after another in the stage's time
 #   TWOGEN_ARGS=..   extra options for benchmarks/two_generators.py (e.g. "--layers 8 --rounds 2")
 #   SMALLAR_ARGS=..  extra options for benchmarks/small_allreduce.py (e.g. "--sizes 4096 65536 --no-symm")
 #   FUZZ_N=400       random programs in the GPU slice of the differential tester (tests/fuzz/sweep.py)
@@ -51,13 +53,13 @@ selected=()
 for s in "${stages[@]}"; do
   case "$s" in
     all) selected+=(tests fuzz cm dispatch onegpu decode train smallar) ;;
-    env|tests|fuzz|cm|dispatch|onegpu|decode|train|smallar|pdl|twogen|gaps) selected+=("$s") ;;
-    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train, smallar, pdl, twogen, gaps or all"
+    env|tests|fuzz|cm|dispatch|onegpu|decode|train|smallar|pdl|twogen|gaps|probe) selected+=("$s") ;;
+    *) echo "unknown stage '$s': expected env, tests, fuzz, cm, dispatch, onegpu, decode, train, smallar, pdl, twogen, gaps, probe or all"
        exit 2 ;;
   esac
 done
 
-declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2 [pdl]=1 [twogen]=2 [gaps]=1)
+declare -A WEIGHT=([tests]=2 [fuzz]=1 [cm]=6 [dispatch]=2 [onegpu]=4 [decode]=3 [train]=2 [smallar]=2 [pdl]=1 [twogen]=2 [gaps]=1 [probe]=1)
 # STAGE_WEIGHTS="decode=6,tests=2" overrides the shares of the time budget above.
 IFS=',' read -ra _weights <<< "${STAGE_WEIGHTS:-}"
 for kv in "${_weights[@]}"; do
@@ -148,6 +150,9 @@ for s in "${selected[@]}"; do
           --doc docs/benchmarks.md ${SMALLAR_ARGS:-} ;;
     # shellcheck disable=SC2086
     gaps) run_stage gaps "$secs" python3 -m benchmarks.probe.row_gaps ${GAPS_ARGS:-} ;;
+    probe) run_stage probe "$secs" bash -c 'IFS=";" read -ra ps <<< "${PROBES:-}"
+          for p in "${ps[@]}"; do echo "--- probe $p"; read -ra argv <<< "$p"
+            python3 -m "benchmarks.probe.${argv[0]}" "${argv[@]:1}"; done' ;;
     # shellcheck disable=SC2086
     pdl) run_stage pdl "$secs" python3 -m benchmarks.probe.pdl_chain --doc docs/benchmarks.md ${PDL_ARGS:-} ;;
     # shellcheck disable=SC2086

@@ -46,6 +46,43 @@ def host_calls(fn, calls: int, top: int = 12) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
+def window_gaps(fn, calls: int, min_us: float = 20.0, top: int = 10) -> tuple[float, float, list[str]]:
+    """Device idle time across ``calls`` back-to-back calls of ``fn`` (after one untimed call),
+    between calls included: (span µs, idle µs, lines for the ``top`` longest gaps over ``min_us``,
+    each with the kernels on either side and the host API calls that ended inside the gap)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    gpu, host = [], []
+    for e in prof.events():
+        rng = (e.time_range.start, e.time_range.end, e.name[:50])
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu.append(rng)
+        elif e.name.startswith("cu"):
+            host.append(rng)
+    gpu.sort()
+    if not gpu:
+        return 0.0, 0.0, []
+    gaps, end, last = [], gpu[0][1], gpu[0][2]
+    for s, e, name in gpu[1:]:
+        if s > end:
+            gaps.append((s - end, end, s, last, name))
+        if e >= end:
+            end, last = e, name
+    lines = []
+    for us, g0, g1, before, after in sorted((g for g in gaps if g[0] >= min_us), key=lambda g: -g[0])[:top]:
+        inside = sorted({h[2] for h in host if g0 <= h[1] <= g1})
+        lines.append(f"{us:8.1f} us at +{g0 - gpu[0][0]:9.1f} after {before} before {after}; host calls ending "
+                     f"inside: {', '.join(inside) or 'none'}")
+    return end - gpu[0][0], sum(g[0] for g in gaps), lines
+
+
 def counters_moved(before: dict, after: dict) -> dict[str, int]:
     """spmd counters whose value changed between two ``spmd.metrics.snapshot()`` results."""
     b, a = before.get("counters", {}), after.get("counters", {})
@@ -80,7 +117,15 @@ def probe_row(row: one_gpu.Row, args) -> None:
         busy = devs[0].busy_us if devs else float("nan")
         print(f"[{row.name}] {name}: {times[name].median_ms:.3f} ms per call, kernels busy {busy / 1e3:.3f} ms",
               flush=True)
-        gpu_kernels.print_idle_gaps(f"{row.name}/{name}", fn, top=args.top)
+        gpu_kernels.print_idle_gaps(f"{row.name}/{name}", fn, top=3)
+        span, idle, lines = window_gaps(fn, 5, top=args.top)
+        print(f"[window] {row.name}/{name}: 5 calls span {span / 1e3:.3f} ms ({span / 5e3:.3f} per call), "
+              f"idle {idle / 5e3:.3f} ms per call", flush=True)
+        for line in lines:
+            print(f"[window]   {line}", flush=True)
+        enq, thr, synced = common.host_call_times(fn, torch.cuda.synchronize, calls=10, rounds=3, warmup=2)
+        print(f"[host] {row.name}/{name}: enqueue {enq / 1e3:.3f} ms, throughput {thr / 1e3:.3f} ms, "
+              f"synced {synced / 1e3:.3f} ms per call", flush=True)
         for api, n, us in host_calls(fn, 5, top=args.top):
             print(f"[host] {row.name}/{name}: {api:32s} x{n:<6.1f} {us:9.1f} us per call", flush=True)
     print(f"[{row.name}] spmd counters moved during the timed calls: {moved}", flush=True)
