@@ -8,6 +8,8 @@ For each row of ``benchmarks.one_gpu`` (default: the Llama 4 × 2048 row), it bu
   time, the longest gaps with the kernels on either side;
 * the host's CUDA runtime calls during profiled calls (``cudaGraphLaunch``, ``cudaMalloc``,
   ``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ...): count and µs per call, longest first;
+* with ``--clocks``, the SM clock, power draw and throttle reasons under 3 s of back-to-back calls
+  (a compute-bound row runs into the power limit, and its clocks fall);
 * the spmd counters that moved during the timed calls (graph fallbacks, recaptures, staging).
 
 Usage: ``python3 -m benchmarks.probe.row_gaps [--rows llama2-2l-bf16-4x2048] [--calls 20]``
@@ -83,6 +85,40 @@ def window_gaps(fn, calls: int, min_us: float = 20.0, top: int = 10) -> tuple[fl
     return end - gpu[0][0], sum(g[0] for g in gaps), lines
 
 
+def clocks_under_load(fn, seconds: float = 3.0) -> str:
+    """SM clock (MHz), power (W) and active throttle reasons sampled by ``nvidia-smi`` every 100 ms
+    while ``fn`` runs back to back for ``seconds``: medians of the clock and power, and the
+    reasons seen; or why they could not be read."""
+    import statistics
+    import subprocess
+    import time
+
+    import torch
+
+    query = "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active"
+    try:
+        smi = subprocess.Popen(["nvidia-smi", query, "--format=csv,noheader,nounits", "-lms", "100",
+                                "-i", str(torch.cuda.current_device())],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError as exc:
+        return f"nvidia-smi n/a: {exc}"
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    smi.terminate()
+    out, _ = smi.communicate(timeout=10)
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
+    try:
+        mhz = statistics.median(float(r[0]) for r in rows)
+        watts = statistics.median(float(r[1]) for r in rows)
+    except (ValueError, statistics.StatisticsError):
+        return f"nvidia-smi gave no readable samples: {out[:200]!r}"
+    return f"SM clock {mhz:.0f} MHz, power {watts:.0f} W (medians of {len(rows)} samples), " \
+           f"throttle reasons {sorted({r[2] for r in rows})}"
+
+
 def counters_moved(before: dict, after: dict) -> dict[str, int]:
     """spmd counters whose value changed between two ``spmd.metrics.snapshot()`` results."""
     b, a = before.get("counters", {}), after.get("counters", {})
@@ -123,6 +159,8 @@ def probe_row(row: one_gpu.Row, args) -> None:
               f"idle {idle / 5e3:.3f} ms per call", flush=True)
         for line in lines:
             print(f"[window]   {line}", flush=True)
+        if args.clocks:
+            print(f"[clocks] {row.name}/{name}: {clocks_under_load(fn)}", flush=True)
         enq, thr, synced = common.host_call_times(fn, torch.cuda.synchronize, calls=10, rounds=3, warmup=2)
         print(f"[host] {row.name}/{name}: enqueue {enq / 1e3:.3f} ms, throughput {thr / 1e3:.3f} ms, "
               f"synced {synced / 1e3:.3f} ms per call", flush=True)
@@ -140,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=harness.positive_int, default=10)
     ap.add_argument("--top", type=harness.positive_int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clocks", action="store_true", help="sample the SM clock and power under 3 s of calls")
     args = ap.parse_args(argv)
     import torch
 
