@@ -202,10 +202,10 @@ def run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     if name.split(":")[0] in TRITON_KERNELS:
         if not _triton_eligible(name, q, k, v, mask, is_causal):
             raise RuntimeError(f"{name}: no kernel for these inputs")
-        if name.startswith(SPLIT_KV):
+        if name == SPLIT_KV:
             from spmd.runtime import triton_decode_attention
 
-            return triton_decode_attention.attention(q, k, v, mask, scale, config=_split_config(name))
+            return triton_decode_attention.attention(q, k, v, mask, scale)
         from spmd.runtime import triton_short_attention
 
         return triton_short_attention.attention(q, k, v, mask, is_causal, scale, _short_config(name))
@@ -219,13 +219,11 @@ def _on_gpu(q: Tensor) -> bool:
 
 def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> bool:
     """Triton is installed and kernel ``name``'s ``eligible`` holds for these CUDA inputs (for a
-    ``short-seq:MxW[sS]`` name, with that configuration among the shape's ``configs``; for a
-    ``split-kv:BxP`` name, with that configuration among the kernel's ``CONFIGS``)."""
-    split = name.startswith(SPLIT_KV)
-    if not q.is_cuda or q.dim() != 4 or (split and q.shape[2] != 1):
+    ``short-seq:MxW[sS]`` name, with that configuration among the shape's ``configs``)."""
+    if not q.is_cuda or q.dim() != 4 or (name == SPLIT_KV and q.shape[2] != 1):
         return False
     try:
-        if split:
+        if name == SPLIT_KV:
             from spmd.runtime import triton_decode_attention as kernel
         else:
             from spmd.runtime import triton_short_attention as kernel
@@ -233,21 +231,8 @@ def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | 
         return False
     if not kernel.eligible(q, k, v, mask, is_causal):
         return False
-    if split:
-        config = _split_config(name)
-        return config is None or config in kernel.CONFIGS
-    config = _short_config(name)
+    config = _short_config(name) if name != SPLIT_KV else None
     return config is None or config in kernel.configs(q, k, v)
-
-
-def _split_config(name: str) -> tuple[int, int] | None:
-    """``split-kv:32x8`` -> (32, 8): the keys per loop step and programs per SM a candidate name
-    carries (None for plain ``split-kv``: the kernel's default)."""
-    _, _, config = name.partition(":")
-    if not config:
-        return None
-    block, _, per_sm = config.partition("x")
-    return int(block), int(per_sm)
 
 
 def _short_config(name: str) -> tuple[int, int, int] | None:
@@ -269,13 +254,10 @@ def _short_name(config: tuple[int, int, int]) -> str:
 
 
 def _triton_candidates(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> tuple[str, ...]:
-    """The Triton kernels these inputs can run, ``split-kv`` and ``short-seq`` once per usable
-    configuration."""
+    """The Triton kernels these inputs can run, ``short-seq`` once per usable configuration."""
     names: tuple[str, ...] = ()
     if _triton_eligible(SPLIT_KV, q, k, v, mask, is_causal):
-        from spmd.runtime import triton_decode_attention
-
-        names += (SPLIT_KV, *(f"{SPLIT_KV}:{b}x{p}" for b, p in triton_decode_attention.CONFIGS))
+        names += (SPLIT_KV,)
     if _triton_eligible(SHORT_SEQ, q, k, v, mask, is_causal):
         from spmd.runtime import triton_short_attention
 

@@ -10,8 +10,7 @@ are split into ``num_splits`` ranges (Dao, Haziza, Massa, Sizov, "Flash-Decoding
 inference", 2023; the split-K scheme of FlashInfer's and vLLM's paged-attention v2 decode kernels):
 
 1. ``_partial``, grid (B·Hq, splits): one program per (batch, head, range) streams its keys and
-   values ``BLOCK_S`` at a time (``BLOCK_S`` and the programs per SM are timed per shape among
-   ``CONFIGS`` by the attention choice) with the online softmax of FlashAttention (running maximum ``m``,
+   values ``BLOCK_S`` at a time with the online softmax of FlashAttention (running maximum ``m``,
    sum ``l`` of ``exp(s - m)`` and ``acc = Σ exp(s - m)·v``, float32) and writes ``(m, l, acc)``;
 2. ``_combine``, grid (B·Hq): rescales the ranges to their common maximum and writes
    ``Σ acc_j e^{m_j - M} / Σ l_j e^{m_j - M}`` in the query's dtype.
@@ -31,11 +30,6 @@ import triton.language as tl
 from spmd.runtime import triton_pdl
 
 BLOCK_S = 64
-PROGRAMS_PER_SM = 4
-#: (keys per loop step, programs per SM aimed at) offered to the timed choice besides the default
-#: (``BLOCK_S``, ``PROGRAMS_PER_SM``): fewer, longer ranges cost less to combine, more and shorter
-#: ones put more loads in flight.
-CONFIGS = ((32, 4), (32, 8), (64, 8), (128, 2), (128, 4))
 
 
 @triton.jit
@@ -141,29 +135,26 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return False
 
 
-def num_splits(bh: int, keys: int, num_sms: int, block_s: int = BLOCK_S, per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Key ranges per (batch, head): about ``per_sm`` programs per SM in all (each loads its keys
-    and values together, so more programs in flight hide more of HBM's latency), each with at
-    least one ``block_s`` block of keys."""
-    return max(1, min(triton.cdiv(per_sm * num_sms, bh), triton.cdiv(keys, block_s)))
+def num_splits(bh: int, keys: int, num_sms: int) -> int:
+    """Key ranges per (batch, head): about four programs per SM in all (each loads its keys and
+    values together, so more programs in flight hide more of HBM's latency), each with at least
+    one ``BLOCK_S`` block of keys."""
+    return max(1, min(triton.cdiv(4 * num_sms, bh), triton.cdiv(keys, BLOCK_S)))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float | None, num_sms: int | None = None,
-              config: tuple[int, int] | None = None) -> torch.Tensor:
+              scale: float | None, num_sms: int | None = None) -> torch.Tensor:
     """``softmax(q @ k.T * scale + mask) @ v`` for ``eligible`` inputs: ``[B, Hq, 1, D]`` in q's dtype.
 
-    ``scale``: None = ``1 / sqrt(D)``; ``num_sms``: the device's SM count (None: asked of CUDA);
-    ``config``: (keys per loop step, programs per SM), one of ``CONFIGS`` (None: ``BLOCK_S``,
-    ``PROGRAMS_PER_SM``). The caller checks ``eligible``.
+    ``scale``: None = ``1 / sqrt(D)``; ``num_sms``: the device's SM count (None: asked of CUDA).
+    The caller checks ``eligible``.
     """
-    block_s, per_sm = (BLOCK_S, PROGRAMS_PER_SM) if config is None else config
     b, hq, _, d = q.shape
     hkv, keys = k.shape[1], k.shape[2]
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = num_splits(b * hq, keys, num_sms, block_s, per_sm)
-    per_split = triton.cdiv(triton.cdiv(keys, splits), block_s) * block_s
+    splits = num_splits(b * hq, keys, num_sms)
+    per_split = triton.cdiv(triton.cdiv(keys, splits), BLOCK_S) * BLOCK_S
     splits = triton.cdiv(keys, per_split)
     part = torch.empty(b * hq, splits, d + 2, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, 1, d, dtype=q.dtype, device=q.device)
@@ -180,7 +171,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         float(d ** -0.5 if scale is None else scale), per_split,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         *m_strides, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
-        D=d, BLOCK_S=block_s, PDL=pdl, KV_LINES=kv_lines, num_warps=4, **launch)
+        D=d, BLOCK_S=BLOCK_S, PDL=pdl, KV_LINES=kv_lines, num_warps=4, **launch)
     _combine[(b * hq,)](part, out, hq, out.stride(0), out.stride(1), NUM_SPLITS=splits,
                         SPLITS_POW2=triton.next_power_of_2(splits), D=d, PDL=pdl, num_warps=4, **launch)
     return out

@@ -128,11 +128,6 @@ def test_short_seq_candidate_names_carry_their_configuration(config):
     assert ka._short_config(ka.SHORT_SEQ) is None
 
 
-def test_split_kv_candidate_names_carry_their_configuration():
-    assert ka._split_config("split-kv:32x8") == (32, 8)
-    assert ka._split_config(ka.SPLIT_KV) is None
-
-
 def test_the_reference_may_cover_only_the_first_rows():
     ref = torch.randn(1, 3, 4)
     good = torch.cat([ref, torch.randn(2, 3, 4)])  # rows past the reference are not compared
