@@ -10,8 +10,8 @@ bf16 kernel runs batch 128 at about 20 TFLOP/s and the memory-efficient float32 
 22 µs for 50 MFLOP at batch 8. When all keys fit one block (``MAX_KEYS``) the softmax needs no
 running rescale, so one program per (batch, head, block of ``block_m`` queries):
 
-1. loads its queries ``[block_m, D]`` (``block_m``, the warps per program and the pipeline
-   stages are timed per shape among ``CONFIGS`` by the attention choice) and all keys ``[Sk, D]`` of its key/value head,
+1. loads its queries ``[block_m, D]`` (``block_m`` and the warps per program are timed per
+   shape among ``CONFIGS`` by the attention choice) and all keys ``[Sk, D]`` of its key/value head,
 2. computes the scores with one ``tl.dot`` (float32 accumulation; for float32 inputs with
    ``input_precision="tf32x3"``: each operand split into a TF32 high part and a TF32 remainder,
    three tensor-core products, about float32 accuracy, NVIDIA CUTLASS's "3xTF32", which is what
@@ -21,14 +21,6 @@ running rescale, so one program per (batch, head, block of ``block_m`` queries):
 3. takes the softmax over the row in float32 and multiplies by the values with a second
    ``tl.dot`` (the probabilities cast to the values' dtype for 16-bit inputs, as flash kernels
    do; float32 stays float32).
-
-Each program does little arithmetic between its loads and its store, so one tile per program
-leaves the SM waiting on HBM. The persistent configurations (``stages`` 2 or 3) launch only as
-many programs as the SMs hold at once; each loops over tiles ``pid, pid + programs, ...`` and
-Triton software-pipelines the loop (asynchronous copies into shared memory), so the next tile's
-loads are in flight while this one computes: the persistent, pipelined structure of
-FlashAttention-3 (Shah et al., 2024) and of Triton's persistent matmul tutorial, applied across
-(batch, head, query block) tiles instead of across key blocks.
 
 Grouped-query attention reads key/value head ``h // (Hq / Hkv)``. The mask (bool: True = attend;
 float: added to the scores) is read through its strides, so a broadcast view costs nothing.
@@ -47,25 +39,22 @@ MAX_HEAD_DIM = 128
 _TILE_ELEMENTS = 8192  # block_m * keys per 4 warps: 64 float32 registers per thread for the scores
 _SMEM_BYTES = 160 * 2**10  # the key, value, query and probability tiles a program stages
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_SMEM_PER_SM_BYTES = 200 * 2**10  # what the persistent grid counts on per SM (an H100 / H200 has 228 KiB)
-#: (queries per program, warps, pipeline stages) offered to the timed choice; stages 0: one tile
-#: per program; 2 or 3: a persistent grid that software-pipelines its tiles. A configuration a
-#: shape cannot use is left out.
-CONFIGS = ((16, 4, 0), (32, 4, 0), (64, 4, 0), (64, 8, 0), (128, 8, 0), (32, 4, 2), (64, 4, 2), (64, 4, 3))
+#: (queries per program, warps) offered to the timed choice; a configuration a shape cannot use is left out
+CONFIGS = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 @triton.jit
-def _tile(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
-          sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
-          sm_b, sm_h, sm_q, sm_k, D, DV, bh, m_block,
-          HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, MASK_ROW: tl.constexpr, CAUSAL: tl.constexpr,
-          F32: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One (batch · head ``bh``, block ``m_block`` of queries): load, scores, softmax, values, store."""
+def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
+               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
+               sm_b, sm_h, sm_q, sm_k, D, DV,
+               HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, MASK_ROW: tl.constexpr, CAUSAL: tl.constexpr,
+               F32: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP
-    rm = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     rdv = tl.arange(0, BLOCK_DV)
@@ -109,30 +98,6 @@ def _tile(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rdv[None, :] < DV))
 
 
-@triton.jit
-def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
-               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
-               sm_b, sm_h, sm_q, sm_k, D, DV, TILES, M_BLOCKS,
-               HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, MASK_ROW: tl.constexpr, CAUSAL: tl.constexpr,
-               F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, STAGES: tl.constexpr):
-    """STAGES 0: one tile per program (grid = tiles). Otherwise a persistent grid: each program
-    takes tiles ``pid, pid + programs, ...`` in a loop that Triton software-pipelines ``STAGES``
-    deep, so the next tile's query, key and value loads run under this tile's products."""
-    if STAGES == 0:
-        t = tl.program_id(0)
-        _tile(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
-              sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
-              sm_b, sm_h, sm_q, sm_k, D, DV, t // M_BLOCKS, t % M_BLOCKS,
-              HAS_MASK, BOOL_MASK, MASK_ROW, CAUSAL, F32, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-    else:
-        for t in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=STAGES):
-            _tile(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
-                  sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
-                  sm_b, sm_h, sm_q, sm_k, D, DV, t // M_BLOCKS, t % M_BLOCKS,
-                  HAS_MASK, BOOL_MASK, MASK_ROW, CAUSAL, F32, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-
-
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> bool:
     """Whether ``attention(q, k, v, mask, is_causal)`` computes these inputs: CUDA tensors of one
     dtype (float16, bfloat16 or float32), q ``[B, Hq, Sq, D]``, k ``[B, Hkv, Sk, D]``, v
@@ -168,44 +133,26 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int
     return tuple(max(16, triton.next_power_of_2(n)) for n in (k.shape[2], q.shape[3], v.shape[3]))
 
 
-def _smem_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: tuple[int, int, int]) -> int:
-    """Shared memory a program of ``config`` stages: the key, value and query tiles (once per
-    pipeline stage) and the probability tile."""
-    m, _, stages = config
-    block_n, block_d, block_dv = _blocks(q, k, v)
-    return q.element_size() * (max(1, stages) * (block_n * (block_d + block_dv) + m * block_d) + m * block_n)
-
-
-def configs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
-    """The ``CONFIGS`` (queries per program, warps, stages) these shapes can use: no more queries
-    per program than the next power of two of Sq (16 at least), a scores tile of at most
+def configs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The ``CONFIGS`` (queries per program, warps) these shapes can use: no more queries per
+    program than the next power of two of Sq (16 at least), a scores tile of at most
     ``_TILE_ELEMENTS`` per 4 warps, and the staged tiles within ``_SMEM_BYTES``."""
-    block_n = _blocks(q, k, v)[0]
+    block_n, block_d, block_dv = _blocks(q, k, v)
+    size = q.element_size()
     most = max(16, triton.next_power_of_2(q.shape[2]))
-    return tuple(c for c in CONFIGS
-                 if c[0] <= most and c[0] * block_n <= _TILE_ELEMENTS * c[1] // 4
-                 and _smem_bytes(q, k, v, c) <= _SMEM_BYTES)
+    return tuple((m, w) for m, w in CONFIGS
+                 if m <= most and m * block_n <= _TILE_ELEMENTS * w // 4
+                 and size * (block_n * (block_d + block_dv) + m * (block_d + block_n)) <= _SMEM_BYTES)
 
 
-def default_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_sms: int) -> tuple[int, int, int]:
-    """The configuration used when none is named: of the one-tile-per-program ``configs``, the most
-    queries per program at 4 warps that still leaves two programs per SM (else the fewest queries
-    per program)."""
-    usable = [c for c in configs(q, k, v) if c[2] == 0]
-    four = [c for c in usable if c[1] == 4] or usable
+def default_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_sms: int) -> tuple[int, int]:
+    """The configuration used when none is named: of ``configs``, the most queries per program at
+    4 warps that still leaves two programs per SM (else the fewest queries per program)."""
+    usable = configs(q, k, v)
+    four = [c for c in usable if c[1] == 4] or list(usable)
     bh = q.shape[0] * q.shape[1]
     enough = [c for c in four if bh * triton.cdiv(q.shape[2], c[0]) >= 2 * num_sms]
     return max(enough) if enough else min(four)
-
-
-def grid_size(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: tuple[int, int, int], num_sms: int) -> int:
-    """Programs launched: one per tile (``B · Hq · ceil(Sq / block_m)``) for stages 0; for a
-    persistent configuration, no more than the SMs hold at once (by shared memory, at most 4 per SM)."""
-    tiles = q.shape[0] * q.shape[1] * triton.cdiv(q.shape[2], config[0])
-    if config[2] == 0:
-        return tiles
-    per_sm = max(1, min(4, _SMEM_PER_SM_BYTES // _smem_bytes(q, k, v, config)))
-    return max(1, min(tiles, per_sm * num_sms))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -214,17 +161,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     dtype, laid out as ``[B, Sq, Hq, Dv]`` (SDPA's flash and cuDNN outputs are too), so that the
     usual ``transpose(1, 2).reshape(B, Sq, Hq * Dv)`` after attention is a view, not a copy.
 
-    ``scale``: None = ``1 / sqrt(D)``; ``config``: (queries per program, warps, stages), one of
+    ``scale``: None = ``1 / sqrt(D)``; ``config``: (queries per program, warps), one of
     ``configs(q, k, v)`` (None: ``default_config``); ``num_sms``: the device's SM count (None:
     asked of CUDA). The caller checks ``eligible``.
     """
     b, hq, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if config is None:
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         config = default_config(q, k, v, num_sms)
-    bm, warps, stages = config
+    bm, warps = config
     block_n, block_d, block_dv = _blocks(q, k, v)
     out = torch.empty(b, sq, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     if mask is not None:
@@ -232,15 +179,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)
     m_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    m_blocks = triton.cdiv(sq, bm)
-    _attention[(grid_size(q, k, v, config, num_sms),)](
+    _attention[(triton.cdiv(sq, bm), b * hq)](
         q, k, v, q if mask is None else mask, out, sq, sk, hq, hq // hkv,
         float(d ** -0.5 if scale is None else scale),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        *m_strides, d, dv, b * hq * m_blocks, m_blocks,
-        HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
+        *m_strides, d, dv, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
         MASK_ROW=mask is not None and (sq == 1 or mask.stride(2) == 0), CAUSAL=bool(is_causal),
         F32=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, STAGES=stages, num_warps=warps)
+        BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
     return out
