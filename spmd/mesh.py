@@ -299,7 +299,10 @@ def _parse_devices(devices, needed: int | None) -> tuple[str, tuple[int, ...]]:
     if len(platforms) != 1 or not platforms <= set(PLATFORMS):
         raise ValueError(f"devices: expected all 'cpu' or all 'cuda' devices, got platforms {sorted(platforms)}")
     platform = platforms.pop()
-    if platform == "cpu":
+    if platform == "cpu":  # virtual CPU devices: ordinals in list order; explicit indices must be distinct
+        given = [d.index for d in items if d.index is not None]
+        if len(set(given)) != len(given):
+            raise ValueError(f"devices: expected distinct devices, got {_fmt_ids('cpu', tuple(given))}")
         return "cpu", tuple(range(len(items)))
     ids = tuple(0 if d.index is None else d.index for d in items)
     if len(set(ids)) != len(ids):

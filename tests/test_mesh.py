@@ -39,6 +39,9 @@ def test_bare_cpu_and_string_axis():
 def test_device_list_of_cpu_devices():
     mesh = Mesh.create(("x",), devices=[torch.device("cpu")] * 3)
     assert mesh.device_ids == (0, 1, 2) and mesh.platform == "cpu"
+    assert Mesh.create("x", devices=[torch.device("cpu", 1), torch.device("cpu", 0)]).device_ids == (0, 1)
+    with pytest.raises(ValueError, match="distinct devices"):  # the same virtual device twice
+        Mesh.create("x", devices=[torch.device("cpu", 0), torch.device("cpu", 0)])
 
 
 def test_equality_and_hash_key_caches():

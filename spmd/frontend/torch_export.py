@@ -16,9 +16,12 @@ and an empty mesh. An input updated in place must also be returned (the program 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import re
+import sys
 import traceback
 import types
 import warnings
@@ -129,10 +132,29 @@ def export_program(fn_or_module, args: tuple, kwargs: dict | None = None) -> Exp
         return _export(fn_or_module, args, kwargs)
 
 
+def _quiet_export(mod: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
+    """``torch.export.export(strict=False)`` with what it writes to stderr held back: torch prints
+    the partial FX graph of a failed trace to stderr before raising, which spmd turns into its own
+    error (the graph stays on the exception as ``partial_fx_graph``). The held text is written
+    out unless the trace failed on a data-dependent value."""
+    held = io.StringIO()
+    dropped = False
+    try:
+        with contextlib.redirect_stderr(held):
+            return torch.export.export(mod, args, kwargs, strict=False)
+    except GuardOnDataDependentSymNode:
+        dropped = True
+        raise
+    finally:
+        text = held.getvalue()
+        if text and not dropped:
+            sys.stderr.write(text)
+
+
 def _export(fn_or_module, args: tuple, kwargs: dict | None) -> ExportedProgram:
     mod = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else _FnModule(fn_or_module)
     try:
-        ep = torch.export.export(mod, tuple(args), kwargs or {}, strict=False)
+        ep = _quiet_export(mod, tuple(args), kwargs or {})
     except GuardOnDataDependentSymNode as e:
         frames = [(f.filename, f.lineno) for f in traceback.extract_tb(e.__traceback__)]
         frames = [f for f in frames + _FRAME.findall(str(e)) if not f[0].startswith(_LIBRARY_DIRS)]

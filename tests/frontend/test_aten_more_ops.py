@@ -114,6 +114,28 @@ def test_item_inside_a_jitted_function_is_a_helpful_value_error():
         f(torch.randn(3))
 
 
+def test_a_0d_index_error_prints_no_partial_graph_and_other_stderr_still_shows(capsys):
+    mesh = Mesh.create({"x": 1}, devices="cpu:1")
+
+    def write_at(cache, x, pos):
+        cache = cache.clone()
+        cache[pos] = x
+        return cache
+
+    with pytest.raises(ValueError, match="reads a tensor's value on the host"):
+        spmd.jit(write_at, mesh=mesh)(torch.zeros(8, 4), torch.ones(4), torch.tensor(3))
+    assert "def forward" not in capsys.readouterr().err  # torch.export's partial FX graph is held back
+
+    def says(t):
+        import sys
+
+        print("written by the traced program", file=sys.stderr)
+        return t * 2
+
+    spmd.jit(says, mesh=mesh)(torch.ones(3))
+    assert "written by the traced program" in capsys.readouterr().err  # a trace that succeeds keeps its stderr
+
+
 def test_16_bit_product_accumulates_in_float32():
     """A float16 prod over 336 factors (a dim sharded over 6 devices) rounds once, as eager's
     kernel does; multiplied in float16 it was 52x eager's error (found by the random tester)."""
