@@ -28,9 +28,9 @@ if __package__ in (None, ""):
 from benchmarks import common, gpu_kernels, harness, one_gpu
 
 
-def host_calls(fn, calls: int, top: int = 12) -> list[tuple[str, float, float]]:
-    """The host-side CUDA runtime / driver calls of ``calls`` calls of ``fn`` (after one untimed
-    call): (name, calls per call, µs per call), the ``top`` longest by summed time."""
+def _profiled(fn, calls: int):
+    """``torch.profiler`` events (host and CUDA) of ``calls`` back-to-back calls of ``fn``, after
+    one untimed call; the device is synchronized before the profile ends."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -40,8 +40,16 @@ def host_calls(fn, calls: int, top: int = 12) -> list[tuple[str, float, float]]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof.events()
+
+
+def host_calls(fn, calls: int, top: int = 12) -> list[tuple[str, float, float]]:
+    """The host-side CUDA runtime / driver calls of ``calls`` calls of ``fn`` (after one untimed
+    call): (name, calls per call, µs per call), the ``top`` longest by summed time."""
+    import torch
+
     by_name: dict[str, list[float]] = defaultdict(list)
-    for ev in prof.events():
+    for ev in _profiled(fn, calls):
         if ev.device_type == torch.autograd.DeviceType.CPU and ev.name.startswith("cu"):
             by_name[ev.name].append(ev.cpu_time_total)
     rows = [(n, len(v) / calls, sum(v) / calls) for n, v in by_name.items()]
@@ -53,16 +61,9 @@ def window_gaps(fn, calls: int, min_us: float = 20.0, top: int = 10) -> tuple[fl
     between calls included: (span µs, idle µs, lines for the ``top`` longest gaps over ``min_us``,
     each with the kernels on either side and the host API calls that ended inside the gap)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
     gpu, host = [], []
-    for e in prof.events():
+    for e in _profiled(fn, calls):
         rng = (e.time_range.start, e.time_range.end, e.name[:50])
         if e.device_type == torch.autograd.DeviceType.CUDA:
             gpu.append(rng)
