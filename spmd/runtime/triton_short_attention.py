@@ -55,7 +55,7 @@ def _load(q_ptr, k_ptr, v_ptr, mask_ptr, bh, rm, HQ, GROUP, SQ, SK,
           sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_q, sm_k, D, DV,
           HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """The query block, all keys and values of (batch · head ``bh``) and its mask (0 if none)."""
+    """The query block, all keys and values of (batch · head ``bh``) and its mask (zeros if none)."""
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP
@@ -70,7 +70,7 @@ def _load(q_ptr, k_ptr, v_ptr, mask_ptr, bh, rm, HQ, GROUP, SQ, SK,
                 mask=key_ok[:, None] & (rd[None, :] < D), other=0.0)
     v = tl.load(v_ptr + b * sv_b + hk * sv_h + rn[:, None] * sv_s + rdv[None, :],
                 mask=key_ok[:, None] & (rdv[None, :] < DV), other=0.0)
-    mk = 0
+    mk = tl.zeros((1, BLOCK_N), tl.float32)  # no mask: unused
     if HAS_MASK:
         if MASK_ROW:  # the same keys masked for every query (a padding mask): one row
             mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rn * sm_k, mask=key_ok, other=0)[None, :]
