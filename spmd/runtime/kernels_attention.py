@@ -219,7 +219,7 @@ def _on_gpu(q: Tensor) -> bool:
 
 def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> bool:
     """Triton is installed and kernel ``name``'s ``eligible`` holds for these CUDA inputs (for a
-    ``short-seq:MxW[hH]`` name, with that configuration among the shape's ``configs``)."""
+    ``short-seq:MxW`` name, with that configuration among the shape's ``configs``)."""
     if not q.is_cuda or q.dim() != 4 or (name == SPLIT_KV and q.shape[2] != 1):
         return False
     try:
@@ -235,22 +235,14 @@ def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | 
     return config is None or config in kernel.configs(q, k, v)
 
 
-def _short_config(name: str) -> tuple[int, int, int] | None:
-    """``short-seq:64x4`` -> (64, 4, 1), ``short-seq:64x4h2`` -> (64, 4, 2): the queries per
-    program, warps and (batch, head) pairs per program a candidate name carries (None for plain
-    ``short-seq``: the kernel's default for the shape)."""
+def _short_config(name: str) -> tuple[int, int] | None:
+    """``short-seq:64x4`` -> (64, 4): the queries per program and warps a candidate name carries
+    (None for plain ``short-seq``: the kernel's default for the shape)."""
     _, _, config = name.partition(":")
     if not config:
         return None
-    m, _, rest = config.partition("x")
-    w, _, heads = rest.partition("h")
-    return int(m), int(w), int(heads or 1)
-
-
-def _short_name(config: tuple[int, int, int]) -> str:
-    """The candidate name of a ``short-seq`` configuration (the inverse of ``_short_config``)."""
-    m, w, heads = config
-    return f"{SHORT_SEQ}:{m}x{w}" + (f"h{heads}" if heads != 1 else "")
+    m, _, w = config.partition("x")
+    return int(m), int(w)
 
 
 def _triton_candidates(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> tuple[str, ...]:
@@ -261,7 +253,7 @@ def _triton_candidates(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
     if _triton_eligible(SHORT_SEQ, q, k, v, mask, is_causal):
         from spmd.runtime import triton_short_attention
 
-        names += tuple(_short_name(c) for c in triton_short_attention.configs(q, k, v))
+        names += tuple(f"{SHORT_SEQ}:{m}x{w}" for m, w in triton_short_attention.configs(q, k, v))
     return names
 
 

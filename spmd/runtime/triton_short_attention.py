@@ -22,12 +22,6 @@ running rescale, so one program per (batch, head, block of ``block_m`` queries):
    ``tl.dot`` (the probabilities cast to the values' dtype for 16-bit inputs, as flash kernels
    do; float32 stays float32).
 
-A program does little arithmetic between its loads and its store, so with one (batch, head) per
-program an SM mostly waits on memory. The two-head configurations issue the loads of two
-(batch, head) pairs before the first pair's products, doubling the bytes each program keeps in
-flight (the memory-level parallelism argument of Volkov, "Better performance at lower
-occupancy", GTC 2010); the timed choice decides per shape whether that beats more programs.
-
 Grouped-query attention reads key/value head ``h // (Hq / Hkv)``. The mask (bool: True = attend;
 float: added to the scores) is read through its strides, so a broadcast view costs nothing.
 ``is_causal`` is PyTorch's top-left alignment (query ``i`` sees keys ``j <= i``). A row with
@@ -45,20 +39,22 @@ MAX_HEAD_DIM = 128
 _TILE_ELEMENTS = 8192  # block_m * keys per 4 warps: 64 float32 registers per thread for the scores
 _SMEM_BYTES = 160 * 2**10  # the key, value, query and probability tiles a program stages
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: (queries per program, warps, (batch, head) pairs per program) offered to the timed choice; a
-#: configuration a shape cannot use is left out
-CONFIGS = ((16, 4, 1), (32, 4, 1), (64, 4, 1), (64, 8, 1), (128, 8, 1), (64, 4, 2), (128, 8, 2))
+#: (queries per program, warps) offered to the timed choice; a configuration a shape cannot use is left out
+CONFIGS = ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
 
 
 @triton.jit
-def _load(q_ptr, k_ptr, v_ptr, mask_ptr, bh, rm, HQ, GROUP, SQ, SK,
-          sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_q, sm_k, D, DV,
-          HAS_MASK: tl.constexpr, MASK_ROW: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """The query block, all keys and values of (batch · head ``bh``) and its mask (zeros if none)."""
+def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
+               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
+               sm_b, sm_h, sm_q, sm_k, D, DV,
+               HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, MASK_ROW: tl.constexpr, CAUSAL: tl.constexpr,
+               F32: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     rdv = tl.arange(0, BLOCK_DV)
@@ -70,28 +66,18 @@ def _load(q_ptr, k_ptr, v_ptr, mask_ptr, bh, rm, HQ, GROUP, SQ, SK,
                 mask=key_ok[:, None] & (rd[None, :] < D), other=0.0)
     v = tl.load(v_ptr + b * sv_b + hk * sv_h + rn[:, None] * sv_s + rdv[None, :],
                 mask=key_ok[:, None] & (rdv[None, :] < DV), other=0.0)
-    mk = tl.zeros((1, BLOCK_N), tl.float32)  # no mask: unused
-    if HAS_MASK:
-        if MASK_ROW:  # the same keys masked for every query (a padding mask): one row
-            mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rn * sm_k, mask=key_ok, other=0)[None, :]
-        else:
-            mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rm[:, None] * sm_q + rn[None, :] * sm_k,
-                         mask=key_ok[None, :] & row_ok[:, None], other=0)
-    return q, k, v, mk
-
-
-@triton.jit
-def _compute(q, k, v, mk, rm, SQ, SK, scale, HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr,
-             CAUSAL: tl.constexpr, F32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``softmax(q kᵀ · scale + mask) v`` of one loaded tile, float32 ``[BLOCK_M, BLOCK_DV]``."""
-    rn = tl.arange(0, BLOCK_N)
     if F32:
         scores = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     else:
         scores = tl.dot(q, tl.trans(k))
     scores = scores * scale
-    allowed = (rn < SK)[None, :] & (rm < SQ)[:, None]
+    allowed = key_ok[None, :] & row_ok[:, None]
     if HAS_MASK:
+        if MASK_ROW:  # the same keys masked for every query (a padding mask): one row
+            mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rn * sm_k, mask=key_ok, other=0)[None, :]
+        else:
+            mk = tl.load(mask_ptr + b * sm_b + h * sm_h + rm[:, None] * sm_q + rn[None, :] * sm_k,
+                         mask=allowed, other=0)
         if BOOL_MASK:
             allowed = allowed & (mk != 0)
         else:
@@ -107,44 +93,9 @@ def _compute(q, k, v, mk, rm, SQ, SK, scale, HAS_MASK: tl.constexpr, BOOL_MASK: 
         acc = tl.dot(p, v, input_precision="tf32x3")
     else:
         acc = tl.dot(p.to(v.dtype), v)
-    return acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0
-
-
-@triton.jit
-def _store(out_ptr, out, bh, rm, BH, HQ, SQ, so_b, so_h, so_s, DV, BLOCK_DV: tl.constexpr):
-    """Rows ``rm`` of (batch · head ``bh``)'s output; nothing where ``bh`` is past the last pair."""
-    rdv = tl.arange(0, BLOCK_DV)
-    at = tl.minimum(bh, BH - 1)
-    ok = ((rm * 0 + bh) < BH) & (rm < SQ)
-    tl.store(out_ptr + (at // HQ) * so_b + (at % HQ) * so_h + rm[:, None] * so_s + rdv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (rdv[None, :] < DV))
-
-
-@triton.jit
-def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale, BH,
-               sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
-               sm_b, sm_h, sm_q, sm_k, D, DV,
-               HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, MASK_ROW: tl.constexpr, CAUSAL: tl.constexpr,
-               F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, HEADS: tl.constexpr):
-    """One program per block of ``BLOCK_M`` queries of ``HEADS`` (1 or 2) consecutive (batch, head)
-    pairs. With two, both heads' loads are issued before either head's products, so one program
-    keeps twice the bytes in flight."""
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh0 = tl.program_id(1) * HEADS
-    q, k, v, mk = _load(q_ptr, k_ptr, v_ptr, mask_ptr, bh0, rm, HQ, GROUP, SQ, SK,
-                        sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_q, sm_k, D, DV,
-                        HAS_MASK, MASK_ROW, BLOCK_N, BLOCK_D, BLOCK_DV)
-    if HEADS == 2:
-        bh1 = tl.minimum(bh0 + 1, BH - 1)  # an odd B·H: the last program loads its head twice, stores it once
-        q1, k1, v1, mk1 = _load(q_ptr, k_ptr, v_ptr, mask_ptr, bh1, rm, HQ, GROUP, SQ, SK,
-                                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_q, sm_k, D, DV,
-                                HAS_MASK, MASK_ROW, BLOCK_N, BLOCK_D, BLOCK_DV)
-    out = _compute(q, k, v, mk, rm, SQ, SK, scale, HAS_MASK, BOOL_MASK, CAUSAL, F32, BLOCK_N)
-    _store(out_ptr, out, bh0, rm, BH, HQ, SQ, so_b, so_h, so_s, DV, BLOCK_DV)
-    if HEADS == 2:
-        out1 = _compute(q1, k1, v1, mk1, rm, SQ, SK, scale, HAS_MASK, BOOL_MASK, CAUSAL, F32, BLOCK_N)
-        _store(out_ptr, out1, bh0 + 1, rm, BH, HQ, SQ, so_b, so_h, so_s, DV, BLOCK_DV)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0
+    tl.store(out_ptr + b * so_b + h * so_h + rm[:, None] * so_s + rdv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rdv[None, :] < DV))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> bool:
@@ -182,30 +133,23 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int
     return tuple(max(16, triton.next_power_of_2(n)) for n in (k.shape[2], q.shape[3], v.shape[3]))
 
 
-def _smem_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: tuple[int, int, int]) -> int:
-    """Shared memory a program of ``config`` stages: the key, value and query tiles of each of its
-    heads and one probability tile."""
-    m, _, heads = config
+def configs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The ``CONFIGS`` (queries per program, warps) these shapes can use: no more queries per
+    program than the next power of two of Sq (16 at least), a scores tile of at most
+    ``_TILE_ELEMENTS`` per 4 warps, and the staged tiles within ``_SMEM_BYTES``."""
     block_n, block_d, block_dv = _blocks(q, k, v)
-    return q.element_size() * (heads * (block_n * (block_d + block_dv) + m * block_d) + m * block_n)
-
-
-def configs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
-    """The ``CONFIGS`` (queries per program, warps, heads per program) these shapes can use: no
-    more queries per program than the next power of two of Sq (16 at least), a scores tile of at
-    most ``_TILE_ELEMENTS`` per 4 warps, and the staged tiles within ``_SMEM_BYTES``."""
-    block_n = _blocks(q, k, v)[0]
+    size = q.element_size()
     most = max(16, triton.next_power_of_2(q.shape[2]))
-    return tuple(c for c in CONFIGS
-                 if c[0] <= most and c[0] * block_n <= _TILE_ELEMENTS * c[1] // 4
-                 and _smem_bytes(q, k, v, c) <= _SMEM_BYTES)
+    return tuple((m, w) for m, w in CONFIGS
+                 if m <= most and m * block_n <= _TILE_ELEMENTS * w // 4
+                 and size * (block_n * (block_d + block_dv) + m * (block_d + block_n)) <= _SMEM_BYTES)
 
 
-def default_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_sms: int) -> tuple[int, int, int]:
-    """The configuration used when none is named: of the one-head ``configs``, the most queries per
-    program at 4 warps that still leaves two programs per SM (else the fewest queries per program)."""
-    usable = [c for c in configs(q, k, v) if c[2] == 1]
-    four = [c for c in usable if c[1] == 4] or usable
+def default_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_sms: int) -> tuple[int, int]:
+    """The configuration used when none is named: of ``configs``, the most queries per program at
+    4 warps that still leaves two programs per SM (else the fewest queries per program)."""
+    usable = configs(q, k, v)
+    four = [c for c in usable if c[1] == 4] or list(usable)
     bh = q.shape[0] * q.shape[1]
     enough = [c for c in four if bh * triton.cdiv(q.shape[2], c[0]) >= 2 * num_sms]
     return max(enough) if enough else min(four)
@@ -217,7 +161,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     dtype, laid out as ``[B, Sq, Hq, Dv]`` (SDPA's flash and cuDNN outputs are too), so that the
     usual ``transpose(1, 2).reshape(B, Sq, Hq * Dv)`` after attention is a view, not a copy.
 
-    ``scale``: None = ``1 / sqrt(D)``; ``config``: (queries per program, warps, heads per program), one of
+    ``scale``: None = ``1 / sqrt(D)``; ``config``: (queries per program, warps), one of
     ``configs(q, k, v)`` (None: ``default_config``); ``num_sms``: the device's SM count (None:
     asked of CUDA). The caller checks ``eligible``.
     """
@@ -227,7 +171,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         config = default_config(q, k, v, num_sms)
-    bm, warps, heads = config
+    bm, warps = config
     block_n, block_d, block_dv = _blocks(q, k, v)
     out = torch.empty(b, sq, hq, dv, dtype=q.dtype, device=q.device).transpose(1, 2)
     if mask is not None:
@@ -235,13 +179,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)
     m_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    _attention[(triton.cdiv(sq, bm), triton.cdiv(b * hq, heads))](
+    _attention[(triton.cdiv(sq, bm), b * hq)](
         q, k, v, q if mask is None else mask, out, sq, sk, hq, hq // hkv,
-        float(d ** -0.5 if scale is None else scale), b * hq,
+        float(d ** -0.5 if scale is None else scale),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *m_strides, d, dv, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
         MASK_ROW=mask is not None and (sq == 1 or mask.stride(2) == 0), CAUSAL=bool(is_causal),
         F32=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_D=block_d, BLOCK_DV=block_dv, HEADS=heads, num_warps=warps)
+        BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
     return out

@@ -120,14 +120,6 @@ def test_a_float32_kernel_computing_in_tf32_is_never_chosen():
     assert chosen == "short-seq:32x4" and [n for n, _ in skipped] == ["short-seq:64x4"]
 
 
-@pytest.mark.parametrize("config", [(64, 4, 1), (128, 8, 2), (16, 4, 1)])
-def test_short_seq_candidate_names_carry_their_configuration(config):
-    name = ka._short_name(config)
-    assert name.startswith(ka.SHORT_SEQ + ":") and ka._short_config(name) == config
-    assert ("h" in name.partition(":")[2]) == (config[2] != 1)  # one-head names as before: short-seq:64x4
-    assert ka._short_config(ka.SHORT_SEQ) is None
-
-
 def test_the_reference_may_cover_only_the_first_rows():
     ref = torch.randn(1, 3, 4)
     good = torch.cat([ref, torch.randn(2, 3, 4)])  # rows past the reference are not compared

@@ -81,7 +81,7 @@ def test_every_configuration_gives_the_same_result(dtype):
     big = torch.randn(1, 2, 4, 128, device="cuda")
     keys = torch.randn(1, 2, 256, 128, device="cuda")
     assert not tsa.configs(big, keys, keys) and not tsa.eligible(big, keys, keys, None, False)  # over shared memory
-    assert tsa.configs(q[:, :, :9], k, v) == ((16, 4, 1),)  # no more queries per program than needed
+    assert max(tsa.configs(q[:, :, :9], k, v)) == (16, 4)  # no more queries per program than needed
 
 
 @gpu
