@@ -46,8 +46,9 @@ def output_clones(lw, output_slots: list[int], op_buffers: dict[int, int],
     An output that may share memory (through views, kernels returning an operand, in-place
     updates) with the arena, a persistent folded value or an undonated parameter is copied:
     the arena is reused by the next call, and outputs never alias the caller's inputs (a
-    later donation or in-place update of the input would change them). An output written
-    into a donated parameter's buffer is not.
+    later donation or in-place update of the input would change them). An output that may share
+    memory with an earlier output (the same value returned twice, or a view of another output)
+    is copied too. An output written into a donated parameter's buffer is not.
 
     Args:
       op_buffers: op index -> arena view index (before donated buffers are added).
@@ -60,7 +61,16 @@ def output_clones(lw, output_slots: list[int], op_buffers: dict[int, int],
     held = set(lw.folded) | {lw.ops[k].out for k in op_buffers}
     held |= {s for n, s in lw.param_slots.items() if n not in donated}
     written = {lw.ops[k].out for k in plan}
-    return tuple(s not in written and bool(_memory_of(s, links) & held) for s in output_slots)
+    clones, returned = [], set()
+    for s in output_slots:
+        # an output written into a donated buffer owns that buffer (``plan`` gives each its own)
+        memory = {s} if s in written else _memory_of(s, links)
+        # two outputs never share memory (XLA's copy insertion gives every output its own
+        # buffer): donating or updating one must not change the other
+        clones.append(bool(memory & returned) or (s not in written and bool(memory & held)))
+        if not clones[-1]:
+            returned |= memory
+    return tuple(clones)
 
 
 def _memory_of(slot: int, links: dict[int, tuple[int, ...]]) -> set[int]:

@@ -338,9 +338,14 @@ def lower(module: Module, devices: Sequence[torch.device], pids: Sequence[int] |
 
 
 def _output_donors(lw: _Lowerer, output_slots: list[int], plan: dict[int, int]) -> tuple[int, ...]:
-    """Per output, the donated parameter whose buffer receives it (``plan``), or -1; () when none does."""
+    """Per output, the donated parameter whose buffer receives it (``plan``), or -1; () when none does.
+    A value returned more than once is written into the buffer by its first output only (the
+    others are copies, ``aliasing.output_clones``)."""
     written = {lw.ops[k].out: i for k, i in plan.items()}
-    return tuple(written.get(s, -1) for s in output_slots) if written else ()
+    if not written:
+        return ()
+    first = {s: j for j, s in reversed(list(enumerate(output_slots)))}  # a value returned twice: its first output
+    return tuple(written.get(s, -1) if first[s] == j else -1 for j, s in enumerate(output_slots))
 
 
 def _host_offset_slots(lw: _Lowerer) -> dict[int, int]:

@@ -211,9 +211,15 @@ def check_outputs(case: Case, mesh, out: tuple, eager: tuple, e32: tuple, ref: t
         raise Wrong("structure", f"{len(out)} outputs, eager has {len(eager)}")
     ratios = []
     noise = noise or (None,) * len(ref)
+    storages: dict[int, int] = {}
     for i, (o, e, e2, r, nz) in enumerate(zip(out, eager, e32, ref, noise)):
         if not isinstance(o, spmd.ShardedArray):
             raise Wrong("type", f"output {i}: {type(o).__name__}, expected a ShardedArray")
+        for sh in o.shards:  # outputs own their memory: donating one must not change another
+            if sh.data.numel():
+                j = storages.setdefault(sh.data.untyped_storage().data_ptr(), i)
+                if j != i:
+                    raise Wrong("aliasing", f"outputs {j} and {i} share a buffer on {sh.device}")
         if tuple(o.shape) != tuple(e.shape) or o.dtype != e.dtype:
             raise Wrong("shape/dtype", f"output {i}: {o.dtype}{list(o.shape)}, eager {e.dtype}{list(e.shape)}")
         if case.out_specs is not None:

@@ -148,3 +148,25 @@ def test_attention_of_a_computed_q_keeps_the_arena_copy():
     assert reshapes and all(t.buffer >= 0 for t in reshapes)
     torch.testing.assert_close(compiled(*xs).to_torch().double(), fn(*[t.double() for t in xs]),
                                rtol=1e-4, atol=1e-4)
+
+
+def _storages(arr) -> set[int]:
+    return {s.data.untyped_storage().data_ptr() for s in arr.shards}
+
+
+@pytest.mark.parametrize("case", ["value-twice", "donated-input-twice", "view-of-another-output"])
+def test_outputs_never_share_memory_so_donating_one_leaves_the_other(case):
+    mesh = spmd.Mesh.create({"tp": 2}, devices="cpu:2")
+    spec = spmd.PartitionSpec("tp") if case != "view-of-another-output" else spmd.PartitionSpec()
+    fns = {"value-twice": lambda c: (lambda y: (y, y))(c * 2),
+           "donated-input-twice": lambda c: (c, c),
+           "view-of-another-output": lambda c: (lambda y: (y, y.reshape(2, 2)))(c * 2)}
+    f = spmd.jit(fns[case], mesh=mesh, in_shardings=(spec,), out_shardings=(spec, spec),
+                 donate_argnums=0 if case == "donated-input-twice" else ())
+    x = torch.arange(4.0)
+    first, second = f(spmd.device_put(x, spmd.NamedSharding(mesh, spec)))
+    assert not _storages(first) & _storages(second)
+    want = fns[case](x)[1].clone()
+    bump = spmd.jit(lambda c: c.add_(1), mesh=mesh, in_shardings=(spec,), out_shardings=spec, donate_argnums=0)
+    bump(first)  # writes into the donated buffer of the first output
+    assert torch.equal(second.to_torch(), want)
