@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -100,8 +101,9 @@ class Mesh:
             them, ordered by (rank, local device).
         Raises:
           ValueError: duplicate axis names, sizes < 1, a size product that
-            differs from the device count, more devices than present, duplicate
-            or mixed-platform devices, malformed device strings.
+            differs from the device count, more devices than present (or CUDA
+            devices asked for with none present), negative CUDA ordinals,
+            duplicate or mixed-platform devices, malformed device strings.
           TypeError: ``axes`` or ``devices`` of the wrong type.
         """
         names, sizes = _parse_axes(axes)
@@ -196,7 +198,18 @@ class Mesh:
         return tuple(torch.device("cuda", i) for i in self.device_ids)
 
     def device(self, partition_id: int) -> torch.device:
-        """The torch device of partition ``partition_id``."""
+        """The torch device of partition ``partition_id``.
+
+        Raises:
+          TypeError: ``partition_id`` is not an int.
+          ValueError: ``partition_id`` is outside ``0 .. num_devices - 1`` (negative ids
+            are not partition ids and are rejected, not counted from the end).
+        """
+        if not isinstance(partition_id, int) or isinstance(partition_id, bool):
+            raise TypeError(f"partition_id: expected an int, got {type(partition_id).__name__} {partition_id!r}")
+        n = len(self.device_ids)
+        if not 0 <= partition_id < n:
+            raise ValueError(f"partition_id: expected 0 <= partition_id < {n} (the mesh's devices), got {partition_id}")
         return self.devices[partition_id]
 
     def __repr__(self) -> str:
@@ -292,6 +305,9 @@ def _parse_devices(devices, needed: int | None) -> tuple[str, tuple[int, ...]]:
         return _parse_device_string(devices, needed)
     if not isinstance(devices, Sequence) or not devices:
         raise TypeError(f"devices: expected 'cpu:N', 'cuda', 'cuda:N' or a non-empty list of devices, got {devices!r}")
+    negative = [d for d in devices if isinstance(d, int) and not isinstance(d, bool) and d < 0]
+    if negative:
+        raise ValueError(f"devices: expected non-negative CUDA ordinals, got {list(devices)} ({negative} negative)")
     items = [torch.device("cuda", d) if isinstance(d, int) and not isinstance(d, bool) else d for d in devices]
     if any(not isinstance(d, torch.device) for d in items):
         raise TypeError(f"devices: expected torch.device or int entries, got {devices!r}")
@@ -308,6 +324,9 @@ def _parse_devices(devices, needed: int | None) -> tuple[str, tuple[int, ...]]:
     if len(set(ids)) != len(ids):
         raise ValueError(f"devices: expected distinct devices, got {_fmt_ids('cuda', ids)}")
     present = Mesh.local_devices_count("cuda")
+    if present == 0:
+        raise ValueError(f"devices: expected CUDA ordinals of local GPUs, but no CUDA device is present; "
+                         f"got {list(ids)}")
     missing = [i for i in ids if i >= present]
     if missing:
         raise ValueError(f"devices: expected CUDA ordinals < {present} (devices present), got {list(ids)}")
@@ -319,7 +338,7 @@ def _parse_device_string(spec: str, needed: int | None) -> tuple[str, tuple[int,
     if platform not in PLATFORMS:
         raise ValueError(f"devices: expected 'cpu:N', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
     if count:
-        if not count.isdigit() or int(count) < 1:
+        if not re.fullmatch("[0-9]+", count) or int(count) < 1:
             raise ValueError(f"devices: expected a positive device count after '{platform}:', got {spec!r}")
         n = int(count)
     elif platform == "cpu":
@@ -330,6 +349,8 @@ def _parse_device_string(spec: str, needed: int | None) -> tuple[str, tuple[int,
             raise ValueError("devices: 'cuda' asks for all local GPUs, but none is present")
     if platform == "cuda":
         present = Mesh.local_devices_count("cuda")
+        if present == 0:
+            raise ValueError(f"devices: {spec!r} asks for {n} CUDA devices, but no CUDA device is present")
         if n > present:
             raise ValueError(f"devices: the mesh needs {n} CUDA devices, but {present} are present")
     return platform, tuple(range(n))

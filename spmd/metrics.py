@@ -141,8 +141,21 @@ def _percentile(sorted_samples: list[float], p: float) -> float:
     return sorted_samples[lo] + (sorted_samples[hi] - sorted_samples[lo]) * (rank - lo)
 
 
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a non-empty str, got {type(name).__name__} {name!r}")
+    if not name:
+        raise ValueError("name: expected a non-empty str, got ''")
+
+
 def counter(name: str) -> Counter:
-    """The process-wide counter ``name`` (created at first use)."""
+    """The process-wide counter ``name`` (created at first use).
+
+    Raises:
+      TypeError: ``name`` is not a str.
+      ValueError: ``name`` is empty.
+    """
+    _check_name(name)
     c = _counters.get(name)
     if c is None:
         with _lock:
@@ -151,7 +164,13 @@ def counter(name: str) -> Counter:
 
 
 def timer(name: str) -> Timer:
-    """The process-wide timer ``name`` (created at first use)."""
+    """The process-wide timer ``name`` (created at first use).
+
+    Raises:
+      TypeError: ``name`` is not a str.
+      ValueError: ``name`` is empty.
+    """
+    _check_name(name)
     t = _timers.get(name)
     if t is None:
         with _lock:

@@ -50,14 +50,15 @@ def trace(fn_or_compiled: Any, *args: Any, path: str | os.PathLike = "trace.json
         are then the forward's inputs).
       args: the call's arguments, as the function takes them (tensors, ShardedArrays,
         pytrees). Donated arguments are consumed as in an untraced call.
-      path: where to write the Chrome trace-event JSON; parent folders are created.
+      path: where to write the Chrome trace-event JSON (a file, not an existing folder);
+        missing parent folders are created.
     Returns:
       ``str(path)``.
     Raises:
       TypeError: ``fn_or_compiled`` is none of the accepted kinds, or ``path`` is not a
         str / PathLike.
-      ValueError: ``path``'s folder cannot be created or written (raised before the call
-        runs), and everything the call itself raises for bad arguments.
+      ValueError: ``path`` is an existing folder, or its folder cannot be created or written
+        (raised before the call runs), and everything the call itself raises for bad arguments.
     """
     with tracing(fn_or_compiled, path=path) as run:
         run(*args)
@@ -184,7 +185,10 @@ def _check_path(path: Any) -> Path:
 
 
 def _check_writable_dir(path: Path) -> None:
-    """Create ``path``'s parent folders; ValueError naming ``path`` when they cannot be made or written."""
+    """Create ``path``'s parent folders; ValueError naming ``path`` when it is a folder, or its
+    parent folders cannot be made or written."""
+    if path.is_dir():
+        raise ValueError(f"path: expected a file path for the trace, got the existing folder {str(path)!r}")
     parent = path.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -253,12 +257,21 @@ def build_chrome_trace(events: Sequence[TraceEvent], compiled: Compiled) -> dict
 
 
 def write_chrome_trace(obj: dict, path: str | os.PathLike) -> str:
-    """Write a trace-event JSON object to ``path`` (parent folders created); returns ``str(path)``."""
+    """Write a trace-event JSON object to ``path`` (parent folders created); returns ``str(path)``.
+
+    Writes a temporary file next to ``path`` and renames it; the temporary file is removed
+    when the write or the rename fails. Raises ValueError naming ``path`` when it is a folder
+    or its folder cannot be created or written.
+    """
     p = _check_path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    _check_writable_dir(p)
     tmp = p.with_name(p.name + f".tmp{os.getpid()}.{time.monotonic_ns()}")
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(p)
+    try:
+        tmp.write_text(json.dumps(obj))
+        tmp.replace(p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return str(p)
 
 

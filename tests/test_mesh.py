@@ -77,16 +77,39 @@ def test_duplicate_axis_names():
 
 def test_mesh_larger_than_gpus_present():
     present = Mesh.local_devices_count("cuda")
+    if present == 0:
+        with pytest.raises(ValueError, match=r"devices: 'cuda:1' asks for 1 CUDA devices, but no CUDA device is"):
+            Mesh.create("tp", devices="cuda:1")
+        with pytest.raises(ValueError, match=r"no CUDA device is present; got \[0\]"):
+            Mesh.create("tp", devices=[0])
+        return
     with pytest.raises(ValueError, match=f"needs {present + 1} CUDA devices, but {present} are present"):
         Mesh.create("tp", devices=f"cuda:{present + 1}")
     with pytest.raises(ValueError, match=f"expected CUDA ordinals < {present}"):
         Mesh.create("tp", devices=[present])
 
 
-@pytest.mark.parametrize("bad", ["tpu:4", "cpu:0", "cpu:x", "cuda:-1"])
+def test_negative_cuda_ordinal_is_a_value_error():
+    with pytest.raises(ValueError, match=r"devices: expected non-negative CUDA ordinals, got \[-1\]"):
+        Mesh.create(("tp",), devices=[-1])
+    with pytest.raises(ValueError, match=r"devices: expected non-negative CUDA ordinals, got \[0, -2\]"):
+        Mesh.create({"tp": 2}, devices=[0, -2])
+
+
+@pytest.mark.parametrize("bad", ["tpu:4", "cpu:0", "cpu:x", "cuda:-1", "cpu:\u00b2", "cpu:\u0663", "cpu: 2", "cpu:2\n"])
 def test_bad_device_strings(bad):
     with pytest.raises(ValueError, match="devices: expected"):
         Mesh.create("tp", devices=bad)
+
+
+def test_device_by_partition_id():
+    mesh = Mesh.create(("tp",), devices="cpu:4")
+    assert mesh.device(3) == torch.device("cpu")
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match=f"partition_id: expected 0 <= partition_id < 4 .*, got {bad}"):
+            mesh.device(bad)
+    with pytest.raises(TypeError, match="partition_id: expected an int, got str '0'"):
+        mesh.device("0")
 
 
 def test_bad_types_and_sizes():

@@ -24,6 +24,17 @@ def test_counter():
     assert metrics.snapshot()["counters"]["test.hits"] == 5
 
 
+@pytest.mark.parametrize("make", [metrics.counter, metrics.timer])
+@pytest.mark.parametrize("name, err, msg", [(3, TypeError, "got int 3"), (None, TypeError, "got NoneType None"),
+                                            (["a"], TypeError, "got list"), ("", ValueError, "got ''")])
+def test_bad_names_are_rejected_and_leave_report_working(make, name, err, msg):
+    with pytest.raises(err, match=f"name: expected a non-empty str, {msg}"):
+        make(name)
+    make("test.ok")
+    assert isinstance(metrics.report(), str)
+    assert all(isinstance(n, str) for n in metrics.snapshot()["counters"])
+
+
 def test_percentiles_on_known_samples():
     t = metrics.timer("test.known")
     samples = [i / 1000 for i in range(1, 101)]  # 1ms .. 100ms

@@ -11,7 +11,7 @@ from spmd.models import gpt, plans
 from spmd.parallelize import parallelize
 from spmd.runtime.trace_events import TraceEvent
 from spmd.sharding import PartitionSpec as P
-from spmd.trace import TracedCalls, build_chrome_trace, stream_kinds, trace, tracing
+from spmd.trace import TracedCalls, build_chrome_trace, stream_kinds, trace, tracing, write_chrome_trace
 
 MESH4 = spmd.Mesh.create(("tp",), devices="cpu:4")
 WINDOWED = spmd.CompileOptions(windowed_einsum="on", num_compute_streams=2)
@@ -191,6 +191,27 @@ def test_unwritable_path_is_a_value_error_before_the_call_consumes_donated_argum
     assert x.to_torch().shape == (8,)  # not donated: nothing ran
     out = trace(f, x, path=tmp_path / "new" / "t.json")  # missing folders are created
     assert _load(out)["traceEvents"]
+
+
+def test_directory_path_is_a_value_error_before_the_call(tmp_path):
+    f = spmd.jit(lambda a: a * 2, mesh=MESH4, in_shardings=P("tp"), out_shardings=P("tp"), donate_argnums=0)
+    x = spmd.device_put(torch.randn(8), spmd.NamedSharding(MESH4, P("tp")))
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ValueError, match="path: expected a file path for the trace, got the existing folder .*d'"):
+        trace(f, x, path=tmp_path / "d")
+    assert x.to_torch().shape == (8,)  # not donated: nothing ran
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # no temp file next to the folder
+    assert not any((tmp_path / "d").iterdir())
+
+
+def test_failed_write_removes_the_temp_file(tmp_path, monkeypatch):
+    def fail(self, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(tmp_path), "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_chrome_trace({"traceEvents": []}, tmp_path / "t.json")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.gpu(count=2)

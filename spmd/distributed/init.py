@@ -7,6 +7,7 @@ Under ``torchrun`` the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, `
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -40,7 +41,8 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
     Returns:
       This process's ``ProcessInfo`` (idempotent: a second call returns the first result).
     Raises:
-      ValueError: ``timeout_s`` not a positive number, or no launcher environment and no ``init_method``.
+      ValueError: ``timeout_s`` (or ``$SPMD_DISTRIBUTED_TIMEOUT_S``) not a positive finite number,
+        or no launcher environment and no ``init_method``.
       TypeError: ``backend`` not a str.
       DistributedTimeoutError: some ranks did not join within ``timeout_s``.
     """
@@ -105,12 +107,15 @@ def _forget_programs() -> None:
 
 
 def _timeout(timeout_s) -> float:
+    """``timeout_s``, else ``$SPMD_DISTRIBUTED_TIMEOUT_S``, else the default; a bad value is a
+    ValueError naming the argument or the environment variable it came from."""
+    name, shown = "timeout_s", timeout_s
     if timeout_s is None:
-        text = os.environ.get(TIMEOUT_ENV, "")
+        name, shown = TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV, "")
         try:
-            timeout_s = float(text) if text else DEFAULT_TIMEOUT_S
+            timeout_s = float(shown) if shown else DEFAULT_TIMEOUT_S
         except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}: expected a positive number of seconds, got {text!r}") from None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+            timeout_s = None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"{name}: expected a positive finite number of seconds, got {shown!r}")
     return float(timeout_s)

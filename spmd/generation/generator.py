@@ -134,7 +134,8 @@ class Generator:
         ``torch.no_grad()``, ``load_state_dict``) are not seen by it; build a new Generator for
         new weights. Writes that bypass PyTorch's version counter (``p.data.mul_(2)``,
         ``p.numpy()``) are not detected: a Generator built after one may reuse the old copy.
-      mesh: the device mesh; axis ``"dp"`` (if present) splits the batch, ``"tp"`` the heads.
+      mesh: the device mesh; axis ``"dp"`` (if present) splits the batch, ``"tp"`` the heads;
+        other axes are allowed only with size 1.
       max_batch: sequences in the cache (prompts beyond it are a ValueError; fewer are padded).
       max_seq: cache slots per sequence (prompt length + new tokens - 1 must fit).
       prefill_len: the static (left-padded) prompt length P of the prefill program, <= max_seq.
@@ -142,7 +143,8 @@ class Generator:
     Raises:
       TypeError: model, mesh or options of the wrong type, sizes that are not ints (numpy integers
         are ints). ValueError: sizes < 1, prefill_len > max_seq,
-        a KV cache too large to allocate, or a plan that does not fit the mesh (see ``llama_lm_plan``).
+        a KV cache too large to allocate, a mesh axis other than dp / tp of size > 1, or a plan
+        that does not fit the mesh (see ``llama_lm_plan``).
     """
 
     def __init__(self, model: LlamaForCausalLM, mesh: Mesh, *, max_batch: int, max_seq: int, prefill_len: int,
@@ -157,6 +159,10 @@ class Generator:
             raise TypeError(f"options: expected a spmd.CompileOptions or None, got {type(options).__name__}")
         if prefill_len > max_seq:
             raise ValueError(f"prefill_len: expected <= max_seq ({max_seq}), got {prefill_len}")
+        unused = [a for a, n in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if a not in ("dp", "tp") and n > 1]
+        if unused:
+            raise ValueError(f"mesh: axes {unused} are not used by spmd.Generator; expected axes dp and/or tp "
+                             f"(other axes only of size 1), got {mesh!r}")
         self.model, self.mesh = model, mesh
         self.max_batch, self.max_seq, self.prefill_len = max_batch, max_seq, prefill_len
         # the parameters are weight_argnums of both programs: merged Q/K/V and gate/up weights

@@ -18,7 +18,10 @@ Parameter names follow Hugging Face (``embed_tokens``, ``layers.N.self_attn.q_pr
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +55,23 @@ LM_PRESETS = {
                                rope_theta=500000.0),
 }
 LM_SMALL = LlamaLMConfig(hidden_size=64, num_heads=4, num_kv_heads=2, ffn_size=160, num_layers=2, vocab_size=256)
+
+
+def _int_arg(name: str, value, minimum: int | None = None) -> int:
+    """``value`` as an int; TypeError naming ``name`` for a bool or a non-integer, ValueError below ``minimum``."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _real_arg(name: str, value) -> float:
+    """``value`` as a float; TypeError naming ``name`` for a bool or a non-number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 def rotary_at(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,13 +253,24 @@ def llama_lm(
       cache_update: "index" (default), "mask" or "inplace" (see ``write_cache``).
       overrides: any ``LlamaLMConfig`` field.
     Raises:
-      ValueError: unknown preset, invalid sizes. TypeError: unknown override name.
+      ValueError: unknown preset, invalid sizes (``layers`` or an int override < 1).
+      TypeError: unknown override name; ``layers``, ``seed`` or an int override that is not an
+        int (numpy integers are ints), a float override that is not a real number, ``dtype``
+        not a ``torch.dtype``.
     """
     if preset not in LM_PRESETS:
         raise ValueError(f"preset: expected one of {sorted(LM_PRESETS)}, got {preset!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+    seed = _int_arg("seed", seed)
     base = LM_SMALL if small else LM_PRESETS[preset]
     if layers is not None:
-        overrides["num_layers"] = layers
+        overrides["num_layers"] = _int_arg("layers", layers, 1)
+    for f in dataclasses.fields(base):  # numbers of the right type, before the config compares them
+        if f.name in overrides and isinstance(f.default, int):
+            overrides[f.name] = _int_arg(f.name, overrides[f.name], 1)
+        elif f.name in overrides and isinstance(f.default, float):
+            overrides[f.name] = _real_arg(f.name, overrides[f.name])
     cfg = _replace(base, **overrides)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, cache_update)

@@ -104,12 +104,23 @@ class Replicate(ParallelStyle):
 
 @dataclass(frozen=True)
 class Plan:
-    """Ordered ``(pattern, style)`` rules over mesh axis ``tp_axis`` (first match wins)."""
+    """Ordered ``(pattern, style)`` rules over mesh axis ``tp_axis`` (first match wins).
+
+    ``rules`` may be any sequence of pairs (kept as a tuple). Raises TypeError for ``rules`` not
+    a sequence of ``(str pattern, ParallelStyle)`` pairs (a str is not one) or a non-str ``tp_axis``.
+    """
 
     rules: tuple[tuple[str, ParallelStyle], ...]
     tp_axis: str = "tp"
 
     def __post_init__(self) -> None:
+        if isinstance(self.rules, (str, bytes)) or not isinstance(self.rules, (tuple, list)):
+            raise TypeError(f"rules: expected a sequence of (str pattern, ParallelStyle) pairs, "
+                            f"got {type(self.rules).__name__} {self.rules!r}")
+        if not isinstance(self.tp_axis, str):
+            raise TypeError(f"tp_axis: expected a mesh axis name (str), got {type(self.tp_axis).__name__} "
+                            f"{self.tp_axis!r}")
+        object.__setattr__(self, "rules", tuple(self.rules))
         for rule in self.rules:
             if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
                     and isinstance(rule[1], ParallelStyle)):

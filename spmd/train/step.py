@@ -16,6 +16,7 @@ sequence parallelism come from the plan (``spmd.models.plans``), as in ``spmd.pa
 from __future__ import annotations
 
 import operator
+import os
 import threading
 
 import torch
@@ -161,7 +162,12 @@ class TrainStep:
         The previous params and state are donated to the step; on an error raised before the
         step runs (bad batch, tracing error) they are left as they were. Thread-safe: steps
         called from several threads run one after the other.
-        Raises TypeError for a non-bool ``fetch``.
+
+        Raises:
+          TypeError: a non-bool ``fetch``; ``params`` / ``opt_state`` (or one of its slots)
+            replaced by something that is not a dict, or an entry that is not a ShardedArray.
+          ValueError: ``params`` / ``opt_state`` with missing or extra keys, or an entry of
+            another shape, dtype or sharding than its parameter's.
         """
         if not isinstance(fetch, bool):
             raise TypeError(f"fetch: expected a bool, got {type(fetch).__name__}")
@@ -229,8 +235,30 @@ class TrainStep:
             return
         self._check_state_full()
 
+    def _check_structure(self) -> None:
+        """TypeError / ValueError naming the attribute unless ``params`` is a dict and ``opt_state`` a dict
+        of ``"step"`` and one dict per optimizer slot, with the expected keys (the arrays are not checked)."""
+        if not isinstance(self.params, dict):
+            raise TypeError(f"params: expected a dict of ShardedArrays, got {type(self.params).__name__}")
+        state, slots = self.opt_state, self.optimizer.slots()
+        if not isinstance(state, dict):
+            raise TypeError(f"opt_state: expected a dict with 'step' and the slots {list(slots)}, "
+                            f"got {type(state).__name__}")
+        if set(state) != {"step", *slots}:
+            raise ValueError(f"opt_state: expected the keys {['step', *slots]}, got {list(state)}")
+        for slot in slots:
+            bufs = state[slot]
+            if not isinstance(bufs, dict):
+                raise TypeError(f"opt_state[{slot!r}]: expected a dict of ShardedArrays (one per parameter), "
+                                f"got {type(bufs).__name__}")
+            if set(bufs) != set(self._param_types):
+                raise ValueError(f"opt_state[{slot!r}]: expected one entry per parameter; missing "
+                                 f"{sorted(set(self._param_types) - set(bufs))[:5]}, unexpected "
+                                 f"{list(set(bufs) - set(self._param_types))[:5]}")
+
     def _check_state_full(self) -> None:
         """``_check_state`` array by array."""
+        self._check_structure()
         if set(self.params) != set(self._param_types):
             raise ValueError(f"params: expected the keys {sorted(self._param_types)[:5]}..., got missing "
                              f"{sorted(set(self._param_types) - set(self.params))[:5]}, unexpected "
@@ -239,8 +267,8 @@ class TrainStep:
         arrays = [(f"params[{k!r}]", v, self.param_specs[k], types[k]) for k, v in self.params.items()]
         arrays.append(("opt_state['step']", self.opt_state.get("step"), PartitionSpec(), ((), torch.float32)))
         for slot in self.optimizer.slots():
-            bufs = self.opt_state.get(slot, {})
-            arrays += [(f"opt_state[{slot!r}][{k!r}]", bufs.get(k), self.param_specs[k], types[k])
+            bufs = self.opt_state[slot]
+            arrays += [(f"opt_state[{slot!r}][{k!r}]", bufs[k], self.param_specs[k], types[k])
                        for k in self.params]
         for what, x, spec, (shape, dtype) in arrays:
             if not isinstance(x, ShardedArray):
@@ -254,7 +282,12 @@ class TrainStep:
                 raise ValueError(f"{what}: expected sharding {want} (its parameter's), got {x.sharding}")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and optimizer state as CPU tensors: ``param.<fqn>``, ``opt.step``, ``opt.<slot>.<fqn>``."""
+        """Parameters and optimizer state as CPU tensors: ``param.<fqn>``, ``opt.step``, ``opt.<slot>.<fqn>``.
+
+        Raises TypeError / ValueError (as ``step``) when ``params`` / ``opt_state`` are not dicts of
+        the expected keys.
+        """
+        self._check_structure()
         out = {f"param.{k}": v.to_torch() for k, v in self.params.items()}
         out["opt.step"] = self.opt_state["step"].to_torch()
         for slot in self.optimizer.slots():
@@ -282,26 +315,36 @@ class TrainStep:
                 raise ValueError(f"state_dict[{k!r}]: expected {shape} {dtype}, got {tuple(sd[k].shape)} "
                                  f"{sd[k].dtype}")
         put = lambda t, spec: device_put(t.contiguous(), NamedSharding(self.mesh, spec))
-        self.params = {k: put(sd[f"param.{k}"], self.param_specs[k]) for k in self.params}
+        self.params = {k: put(sd[f"param.{k}"], self.param_specs[k]) for k in self._param_types}
         state = {"step": put(sd["opt.step"], PartitionSpec())}
         for slot in self.optimizer.slots():
-            state[slot] = {k: put(sd[f"opt.{slot}.{k}"], self.param_specs[k]) for k in self.params}
+            state[slot] = {k: put(sd[f"opt.{slot}.{k}"], self.param_specs[k]) for k in self._param_types}
         self.opt_state = state
 
     def state_dict_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        out = {f"param.{k}": (tuple(v.shape), v.dtype) for k, v in self.params.items()}
+        """``{key of state_dict(): (shape, dtype)}``, from the parameters the step was built with."""
+        out = {f"param.{k}": t for k, t in self._param_types.items()}
         out["opt.step"] = ((), torch.float32)
         for slot in self.optimizer.slots():
-            out.update({f"opt.{slot}.{k}": (tuple(v.shape), v.dtype) for k, v in self.params.items()})
+            out.update({f"opt.{slot}.{k}": t for k, t in self._param_types.items()})
         return out
 
-    def save(self, path: str) -> None:
-        """Write ``state_dict()`` to a safetensors file (a resumed run continues bit for bit)."""
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``state_dict()`` to a safetensors file (a resumed run continues bit for bit).
+
+        Raises TypeError for ``path`` not a str / PathLike, ValueError for an unwritable path
+        (and what ``state_dict`` raises).
+        """
+        path = _check_path(path)  # before copying the state to the host
         save_state(self.state_dict(), path)
 
-    def load(self, path: str) -> None:
-        """Read a file written by ``save`` (see ``load_state_dict``)."""
-        self.load_state_dict(load_state(path))
+    def load(self, path: str | os.PathLike) -> None:
+        """Read a file written by ``save`` (see ``load_state_dict``).
+
+        Raises TypeError for ``path`` not a str / PathLike, ValueError for a missing or
+        unreadable file (and what ``load_state_dict`` raises).
+        """
+        self.load_state_dict(load_state(_check_path(path)))
 
 
 class _null:
@@ -310,6 +353,12 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def _check_path(path):
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike checkpoint file, got {type(path).__name__} {path!r}")
+    return path
 
 
 def _zeros_like(x: ShardedArray) -> ShardedArray:

@@ -7,6 +7,7 @@ import torch
 
 import spmd
 from spmd import Mesh
+from spmd.distributed.init import TIMEOUT_ENV, _timeout
 from spmd.ir.sharding import MeshShape
 from spmd.runtime.comm.multiprocess import REDUCE_ENV, reduce_mode
 
@@ -23,10 +24,23 @@ def test_initialize_without_a_launcher_is_a_clear_error(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="torchrun environment"):
         spmd.distributed.initialize()
-    with pytest.raises(ValueError, match="timeout_s: expected a positive number of seconds, got -1"):
+    with pytest.raises(ValueError, match="timeout_s: expected a positive finite number of seconds, got -1"):
         spmd.distributed.initialize(timeout_s=-1)
     with pytest.raises(TypeError, match="backend: expected a str"):
         spmd.distributed.initialize(backend=3)
+
+
+@pytest.mark.parametrize("text", ["-5", "0", "abc", "nan", "inf"])
+def test_bad_timeout_environment_variable_is_named(monkeypatch, text):
+    monkeypatch.setenv(TIMEOUT_ENV, text)
+    with pytest.raises(ValueError, match=f"SPMD_DISTRIBUTED_TIMEOUT_S: expected a positive finite number of seconds, "
+                                         f"got '{text}'"):
+        _timeout(None)
+    assert _timeout(7) == 7.0  # an explicit timeout_s wins over the variable
+    monkeypatch.setenv(TIMEOUT_ENV, "12.5")
+    assert _timeout(None) == 12.5
+    with pytest.raises(ValueError, match="timeout_s: expected a positive finite number of seconds, got inf"):
+        _timeout(float("inf"))
 
 
 def test_a_fully_addressable_array_gathers_to_its_value():

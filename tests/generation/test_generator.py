@@ -220,6 +220,12 @@ def test_bad_construction(model):
         Generator(model, mesh, max_batch=1, max_seq=8, prefill_len=4, options={"cuda_graphs": False})
     gen = Generator(model, mesh, max_batch=np.int64(1), max_seq=np.int32(8), prefill_len=np.uint8(4))
     assert (type(gen.max_batch), gen.max_seq, gen.prefill_len) == (int, 8, 4)
+    with pytest.raises(ValueError, match=r"mesh: axes \['model'\] are not used by spmd.Generator; expected axes dp "
+                                         r"and/or tp \(other axes only of size 1\), got Mesh\(\{'model': 2\}"):
+        Generator(model, _mesh({"model": 2}, 2), max_batch=1, max_seq=8, prefill_len=4)
+    with pytest.raises(ValueError, match=r"mesh: axes \['pp', 'ep'\] are not used"):
+        Generator(model, _mesh({"pp": 2, "tp": 1, "ep": 2}, 4), max_batch=1, max_seq=8, prefill_len=4)
+    assert Generator(model, _mesh({"model": 1, "tp": 2}, 2), max_batch=1, max_seq=8, prefill_len=4).dp is None
     # a cache of petabytes: a ValueError naming the sizes, not the allocator's RuntimeError
     with pytest.raises(ValueError, match=r"max_batch \(1\), max_seq \(1000000000000\): the KV cache .* cannot be"):
         Generator(model, mesh, max_batch=1, max_seq=10**12, prefill_len=4)

@@ -52,6 +52,31 @@ def test_presets_have_published_shapes():
         llama_lm(small=True, cache_update="scatter")
 
 
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(layers="2"), TypeError, "layers: expected an int, got str '2'"),
+    (dict(layers=2.0), TypeError, "layers: expected an int, got float 2.0"),
+    (dict(layers=True), TypeError, "layers: expected an int, got bool True"),
+    (dict(layers=0), ValueError, "layers: expected an int >= 1, got 0"),
+    (dict(seed="1"), TypeError, "seed: expected an int, got str '1'"),
+    (dict(vocab_size="8"), TypeError, "vocab_size: expected an int, got str '8'"),
+    (dict(hidden_size="64"), TypeError, "hidden_size: expected an int, got str '64'"),
+    (dict(num_heads=0), ValueError, "num_heads: expected an int >= 1, got 0"),
+    (dict(rope_theta="x"), TypeError, "rope_theta: expected a number, got str 'x'"),
+    (dict(dtype="float32"), TypeError, "dtype: expected a torch.dtype, got str 'float32'"),
+])
+def test_arguments_of_the_wrong_type_are_named(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        llama_lm(small=True, device="meta", **kwargs)
+
+
+def test_numpy_integer_sizes_are_ints():
+    import numpy as np
+
+    m = llama_lm(small=True, layers=np.int64(1), seed=np.int32(0), vocab_size=np.int16(32), device="meta")
+    assert (m.config.num_layers, m.config.vocab_size) == (1, 32)
+    assert type(m.config.vocab_size) is int
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_plan_replicates_kv_heads_when_tp_exceeds_them(tp):
     model = llama_lm(small=True, device="meta")  # 4 heads, 2 KV heads

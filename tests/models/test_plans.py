@@ -88,6 +88,20 @@ def test_unknown_axis_and_bad_types():
         plans.Plan((("layers.*", "colwise"),))
 
 
+@pytest.mark.parametrize("rules, match", [
+    ("up", r"rules: expected a sequence of \(str pattern, ParallelStyle\) pairs, got str 'up'"),
+    (5, r"rules: expected a sequence of .* pairs, got int 5"),
+    ({"0": plans.Replicate()}, r"rules: expected a sequence of .* pairs, got dict \{'0': Replicate"),
+])
+def test_rules_not_a_sequence_of_pairs_is_named_whole(rules, match):
+    with pytest.raises(TypeError, match=match):
+        plans.Plan(rules=rules)
+    with pytest.raises(TypeError, match="tp_axis: expected a mesh axis name"):
+        plans.Plan((), tp_axis=3)
+    plan = plans.Plan([("0", plans.Replicate())])  # a list is kept as a tuple: the plan stays hashable
+    assert plan == plans.Plan((("0", plans.Replicate()),)) and hash(plan) == hash(plans.Plan(plan.rules))
+
+
 def test_param_fqn_patterns_and_first_match_wins():
     m = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
     plan = plans.Plan((("0.bias", plans.Replicate()), ("0", plans.ColwiseParallel()),

@@ -218,3 +218,55 @@ def test_steps_from_several_threads_run_one_after_the_other():
     assert float(par.opt_state["step"].to_torch()) == 13.0
     for k, v in seq.params.items():
         assert torch.equal(par.params[k].to_torch(), v.to_torch()), k
+
+
+def _tiny_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    return make_train_step(model, Mesh.create(("dp",), devices="cpu:2"), None, _loss_fn,
+                           optimizer=AdamW(lr=0.1))
+
+
+def _tiny_batch():
+    return {"x": torch.randn(4, 4), "y": torch.randn(4, 2)}
+
+
+@pytest.mark.parametrize("replace, exc, match", [
+    (lambda ts: ts.opt_state.__setitem__("exp_avg", None), TypeError,
+     r"opt_state\['exp_avg'\]: expected a dict of ShardedArrays \(one per parameter\), got NoneType"),
+    (lambda ts: setattr(ts, "opt_state", []), TypeError, r"opt_state: expected a dict with 'step' and the slots"),
+    (lambda ts: setattr(ts, "params", None), TypeError, "params: expected a dict of ShardedArrays, got NoneType"),
+    (lambda ts: ts.opt_state.pop("exp_avg_sq"), ValueError,
+     r"opt_state: expected the keys \['step', 'exp_avg', 'exp_avg_sq'\], got \['step', 'exp_avg'\]"),
+    (lambda ts: ts.opt_state["exp_avg"].pop("0.bias"), ValueError,
+     r"opt_state\['exp_avg'\]: expected one entry per parameter; missing \['0.bias'\]"),
+])
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_replaced_state_structure_is_named_before_anything_runs(replace, exc, match, steps_before):
+    ts = _tiny_step()
+    for _ in range(steps_before):
+        ts.step(_tiny_batch())
+    before = {k: v.to_torch() for k, v in ts.params.items()}
+    replace(ts)
+    with pytest.raises(exc, match=match):
+        ts.step(_tiny_batch())
+    with pytest.raises(exc, match=match):
+        ts.state_dict()
+    if isinstance(ts.params, dict):  # nothing was donated: the parameters are alive and unchanged
+        assert all(torch.equal(v.to_torch(), before[k]) for k, v in ts.params.items())
+
+
+def test_load_repairs_a_replaced_state(tmp_path):
+    ts = _tiny_step()
+    ts.step(_tiny_batch())
+    ts.save(tmp_path / "c.safetensors")
+    ts.opt_state["exp_avg"] = None
+    ts.load(tmp_path / "c.safetensors")
+    ts.step(_tiny_batch())
+
+
+@pytest.mark.parametrize("method", ["save", "load"])
+def test_save_and_load_name_a_bad_path(method):
+    ts = _tiny_step()
+    with pytest.raises(TypeError, match="path: expected a str or os.PathLike checkpoint file, got int 5"):
+        getattr(ts, method)(5)
