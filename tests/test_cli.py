@@ -142,3 +142,12 @@ def test_demo_mesh_uses_the_gpus_it_can(monkeypatch, gpus, axes):
     monkeypatch.setattr(cli, "make_mesh", lambda a, device: (a, device))
     assert cli.demo_mesh("cuda") == ((axes, "cuda"), axes)
     assert cli.demo_mesh("cpu")[1] == {"tp": 4}
+
+
+def test_demo_with_a_junk_weights_file_names_it(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")  # BERT defaults; the weights are read before the tokenizer
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\x01\x02\x03")  # was a raw SafetensorError traceback
+    code, out, err = in_process(capsys, "demo", "--device", "cpu", "--model-dir", str(tmp_path))
+    assert code == 2 and "Traceback" not in err + out
+    assert err.strip().startswith("spmd: error:") and f"{tmp_path}/model.safetensors" in err, err

@@ -42,3 +42,26 @@ def test_bad_flags_are_one_line_errors(capsys, args, expected):
     assert main(["generate", "--small", "--device", "cpu", "--mesh", "tp=1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("spmd: error:") and expected in err and "Traceback" not in err
+
+
+def test_prefill_too_large_for_memory_fails_before_compiling(capsys, monkeypatch):
+    # was: 65 s, ~20 GB, then a raw "DefaultCPUAllocator: can't allocate memory" (--prompt-len 100000)
+    from spmd import cli_generate
+
+    monkeypatch.setattr(cli_generate, "_available_bytes", lambda device: 64 * 2**20)
+    before = metrics.counter("compile_cache.miss").value
+    args = ["generate", "--small", "--device", "cpu", "--max-new-tokens", "2"]
+    assert main([*args, "--prompt-len", "2048", "--mesh", "tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spmd: error: --prompt-len: a prefill of 2048 tokens needs about 0.1 GiB")
+    assert "\n" not in err.strip()
+    assert "float32 [1, 1, 2048, 2049] twice on each of 2 virtual CPU devices" in err
+    assert "more than the 0.1 GiB available" in err and "fewer --mesh devices" in err
+    assert metrics.counter("compile_cache.miss").value == before  # nothing was compiled
+    assert main([*args, "--prompt-len", "256"]) == 0  # 2 x 256 x 257 x 4 bytes fits
+
+
+def test_available_bytes_of_the_host_is_positive():
+    from spmd import cli_generate
+
+    assert cli_generate._available_bytes("cpu") > 2**20

@@ -79,17 +79,28 @@ def find_model_dir(model_dir: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def _read_json(path: Path) -> dict:
+    """The JSON object in ``path``; ValueError naming the file if it is not valid JSON or not an object."""
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: expected valid JSON, got a file that fails to parse ({e})") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
 def load_config(model_dir: Path) -> BertConfig:
     """Read ``config.json`` (and check ``1_Pooling/config.json`` asks for mean pooling, if present).
 
     Raises ValueError for a non-BERT config or a pooling mode other than mean.
     """
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = _read_json(model_dir / "config.json")
     if cfg.get("model_type", "bert") != "bert":
         raise ValueError(f"{model_dir}/config.json model_type: expected 'bert', got {cfg.get('model_type')!r}")
     pooling = model_dir / "1_Pooling" / "config.json"
     if pooling.is_file():
-        p = json.loads(pooling.read_text())
+        p = _read_json(pooling)
         if not p.get("pooling_mode_mean_tokens", False):
             raise ValueError(f"{pooling}: expected pooling_mode_mean_tokens true, got {p}")
     return BertConfig.from_dict(cfg)
@@ -101,13 +112,18 @@ def load_model(
     """The all-MiniLM-L6-v2 sentence encoder with its real weights, in eval mode, on CPU.
 
     Weights stored as float16/bfloat16 are converted to ``dtype``. Raises ValueError if the
-    files are missing or the checkpoint's tensor names/shapes do not match the config.
+    files are missing or unreadable, or the checkpoint's tensor names/shapes do not match the config.
     """
+    from safetensors import SafetensorError  # noqa: PLC0415
     from safetensors.torch import load_file  # noqa: PLC0415
 
     path = find_model_dir(model_dir)
     model = BertSentenceEncoder(load_config(path))
-    state = load_file(str(path / "model.safetensors"), device="cpu")
+    try:
+        state = load_file(str(path / "model.safetensors"), device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{path / 'model.safetensors'}: expected a safetensors checkpoint, got an unreadable "
+                         f"file ({e})") from e
     unused = ("position_ids", "pooler.dense.weight", "pooler.dense.bias")  # the pooler is not part of the model
     state = {k.removeprefix("bert."): v for k, v in state.items() if not k.endswith(unused)}
     expected = model.state_dict()
@@ -134,7 +150,11 @@ def load_tokenizer(model_dir: str | os.PathLike | None = None):
     """The ``tokenizers.Tokenizer`` of ``tokenizer.json``, with padding and truncation turned off."""
     from tokenizers import Tokenizer  # noqa: PLC0415
 
-    tok = Tokenizer.from_file(str(find_model_dir(model_dir) / "tokenizer.json"))
+    path = find_model_dir(model_dir) / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{path}: expected a Hugging Face tokenizers file, got one that fails to load ({e})") from e
     tok.no_padding()
     tok.no_truncation()
     return tok

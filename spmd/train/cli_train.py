@@ -13,6 +13,7 @@ in safetensors from which a resumed run reproduces the uninterrupted run's losse
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import statistics
@@ -93,12 +94,20 @@ def _check(args) -> None:
     _check_paths(args)
 
 
+def _matplotlib_installed() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _check_paths(args) -> None:
-    """Create the --ckpt-dir and the --plot file's directory before training; CliError when either cannot be."""
+    """Create the --ckpt-dir and the --plot file's directory before training; CliError when either cannot be
+    or when --plot is given without matplotlib (checked first: no directory is made for a plot never written)."""
     from spmd.cli import CliError
 
     dirs = [("--ckpt-dir", args.ckpt_dir)] if args.ckpt_dir else []
     if args.plot:
+        if not _matplotlib_installed():
+            raise CliError("--plot: matplotlib is not installed, so no loss curve can be written; "
+                           "pip install matplotlib, or leave --plot out")
         dirs.append(("--plot", os.path.dirname(os.path.abspath(args.plot))))
     for flag, path in dirs:
         try:
@@ -209,14 +218,11 @@ def _report(console, losses, times, args) -> None:
     if args.ckpt_dir:
         console.print(f"checkpoint: {os.path.join(args.ckpt_dir, f'step-{args.steps}.safetensors')}")
     if args.plot:
-        try:
-            import matplotlib
+        import matplotlib  # installed: checked by _check_paths
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            console.print("--plot: matplotlib is not installed; no loss curve written")
-            return
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot([s for s, _ in losses], [v for _, v in losses])
         ax.set_xlabel("step")

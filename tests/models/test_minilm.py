@@ -108,3 +108,38 @@ def test_torch_export_traces_one_graph(model, tokenizer):
     out = ep.module()(batch.input_ids, batch.attention_mask)
     with torch.no_grad():
         assert torch.allclose(out, model(batch.input_ids, batch.attention_mask), atol=1e-6)
+
+
+def _tiny_model_dir(path):
+    """A loadable model directory without the real files: a tiny BERT config, its weights and a tokenizer."""
+    import json
+
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from spmd.models.bert import BertSentenceEncoder
+
+    cfg = {"vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "intermediate_size": 16, "max_position_embeddings": 16}
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(BertSentenceEncoder(BertConfig.from_dict(cfg)).state_dict(), str(path / "model.safetensors"))
+    Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_bad_files_in_model_dir_name_the_file(tmp_path):
+    d = _tiny_model_dir(tmp_path)
+    minilm.load_model(d), minilm.load_tokenizer(d)  # the directory as built loads
+    (d / "model.safetensors").write_bytes(b"\x01\x02\x03")  # was a raw SafetensorError: header too small
+    with pytest.raises(ValueError, match=r"model\.safetensors: expected a safetensors checkpoint.*header too small"):
+        minilm.load_model(d)
+    (d / "tokenizer.json").write_text("{}")  # was a raw Exception: Model missing.
+    with pytest.raises(ValueError, match=r"tokenizer\.json: expected a Hugging Face tokenizers file.*Model missing"):
+        minilm.load_tokenizer(d)
+    (d / "config.json").write_text('{"hidden_size": 8\n')  # truncated: was a message naming no file
+    with pytest.raises(ValueError, match=r"config\.json: expected valid JSON"):
+        minilm.load_model(d)
+    (d / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"config\.json: expected a JSON object, got list"):
+        minilm.load_model(d)

@@ -39,7 +39,6 @@ def test_bad_arguments_are_one_line_errors(capsys):
     (["--lr", "-1"], "--lr: expected a finite number > 0, got -1.0"),
     (["--vocab", "1"], "--vocab: expected >= 2, got 1"),
     (["--save-every", "-1"], "--save-every: expected >= 0"),
-    (["--plot", "/proc/no-such-dir/loss.png"], "--plot: cannot create directory '/proc/no-such-dir'"),
     (["--ckpt-dir", "/proc/no-such-dir"], "--ckpt-dir: cannot create directory '/proc/no-such-dir'"),
     (["--fsdp", "--mesh", "tp=4"], "--fsdp: shards parameters over the dp axis, which needs 2 or more devices"),
     (["--task", "minilm", "--seq", "513"], "--seq: minilm has 512 positions, got 513"),  # was a 20 KB tracing error
@@ -49,6 +48,20 @@ def test_bad_values_and_paths_are_one_line_errors_before_training(capsys, extra,
     assert main(["train", *TINY, "--steps", "1", *extra]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "step" not in captured.out
+
+
+def test_plot_without_matplotlib_fails_up_front_and_makes_no_directory(tmp_path, capsys, monkeypatch):
+    from spmd.train import cli_train
+
+    plot = tmp_path / "new-dir" / "loss.png"
+    monkeypatch.setattr(cli_train, "_matplotlib_installed", lambda: False)
+    assert main(["train", *TINY, "--steps", "1", "--plot", str(plot)]) == 2  # was: trained, then only a warning
+    captured = capsys.readouterr()
+    assert captured.err.startswith("spmd: error: --plot: matplotlib is not installed") and "step" not in captured.out
+    assert not plot.parent.exists()  # was created although no plot was written
+    monkeypatch.setattr(cli_train, "_matplotlib_installed", lambda: True)
+    assert main(["train", *TINY, "--steps", "1", "--plot", "/proc/no-such-dir/loss.png"]) == 2
+    assert "--plot: cannot create directory '/proc/no-such-dir'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA GPUs")
