@@ -29,6 +29,7 @@ from spmd import metrics
 from spmd.array import ShardedArray, device_put
 from spmd.ir.hlo import Module
 from spmd.ir.random import draw_key
+from spmd.lowering import static_key
 from spmd.sharding import NamedSharding, PartitionSpec
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -140,6 +141,7 @@ class Compiled:
             for i, leaf in enumerate(lowered.in_leaves))
         self._num_positional = lowered.arg_tree.num_children
         self._tensor_positions = tuple(i for i in range(lowered.arg_tree.num_leaves) if i not in lowered.static_leaves)
+        self._static_keys = {i: static_key(v) for i, v in lowered.static_leaves.items()}
         self._outputs = tuple(zip(output_shardings, (torch.Size(s) for s in output_shapes), output_dtypes,
                                   strict=True))
         self._no_events = (None,) * len(self.mesh.local_pids)
@@ -182,11 +184,12 @@ class Compiled:
 
     def _call_flat(self, leaves: list):
         """Run on the flattened leaves (static ones included); returns the outputs' pytree."""
-        static = self.lowered.static_leaves
+        static = self._static_keys
         if static:
-            for i, value in static.items():
-                if leaves[i] != value:
-                    raise ValueError(f"{self.name}: static argument leaf {i} is {leaves[i]!r}, compiled for {value!r}")
+            for i, key in static.items():
+                if static_key(leaves[i]) != key:  # NaN matches NaN; 0.0 and -0.0 differ (unlike ==)
+                    raise ValueError(f"{self.name}: static argument leaf {i} is {leaves[i]!r}, compiled for "
+                                     f"{self.lowered.static_leaves[i]!r}")
             leaves = [leaves[i] for i in self._tensor_positions]
         outs = self.execute_sharded(leaves)
         return outs[0] if self._out_leaf else pytree.tree_unflatten(outs, self.lowered.out_tree)

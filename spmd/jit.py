@@ -6,7 +6,9 @@
 
 Arguments may be ``torch.Tensor``s (placed on the mesh with their in-sharding),
 ``ShardedArray``s, or pytrees (dict / list / tuple) of them; non-tensor leaves
-are static (baked into the program and part of the cache key). Compilations
+are static (baked into the program and part of the cache key), so they must be
+immutable values (``spmd.lowering.STATIC_VALUES``: numbers, strings, tuples and
+frozen dataclasses of them, ...), never objects that may hold tensors. Compilations
 are cached per ``Jitted`` by the arguments' shapes, dtypes and shardings, and
 process-wide by the canonical imported module text, input shardings, mesh and
 options. Output shardings are computed once per compilation.
@@ -53,7 +55,8 @@ def jit(
         ``torch.export``; it is called with positional arguments only. An ``nn.Module``'s
         parameters and buffers become constants of the compiled program when it is traced:
         later in-place updates are not seen (pass them as arguments, e.g. through
-        ``torch.func.functional_call``, or use ``spmd.parallelize``).
+        ``torch.func.functional_call``, or use ``spmd.parallelize``), and a forward that updates its
+        buffers itself (BatchNorm's running statistics in training mode) raises ValueError.
       mesh: the device mesh.
       in_shardings: one entry per positional argument — a ``PartitionSpec``,
         ``NamedSharding`` or None (keep a ``ShardedArray``'s own sharding;
@@ -76,6 +79,8 @@ def jit(
     Raises:
       TypeError: ``mesh`` is not a Mesh, ``fn`` is not callable, ``donate_argnums`` or
         ``weight_argnums`` is not ints, ``options`` is not a ``CompileOptions`` or ``reshard_inputs`` is not a bool.
+        A call (or ``lower``) raises TypeError for a non-tensor argument that is not an immutable
+        value (see the module docstring: it would be compiled in as a constant).
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be an spmd.Mesh, got {type(mesh).__name__}")
@@ -167,7 +172,10 @@ class Jitted:
     def _key(self, args: tuple, leaves: list, tree) -> tuple:
         """The per-``Jitted`` cache key: structure, then per leaf its shape, dtype and sharding: an
         array's own, a tensor's from ``in_shardings`` (replicated by default), so a ``torch.Tensor``
-        and a ``ShardedArray`` laid out alike share a key."""
+        and a ``ShardedArray`` laid out alike share a key; a static leaf's ``lowering.static_key``.
+
+        Raises TypeError, naming the argument, for a static leaf that is not an immutable value
+        (``lowering.check_static``)."""
         specs = self._entry_shardings(args, tree)
         parts: list = [tree]
         for i, (leaf, spec) in enumerate(zip(leaves, specs)):
@@ -176,27 +184,10 @@ class Jitted:
             elif isinstance(leaf, torch.Tensor):
                 parts.append((tuple(leaf.shape), leaf.dtype, spec or self._replicated))
             else:
-                parts.append(("static", type(leaf), self._hashable_static(args, i, leaf)))
+                from spmd.lowering import check_static
+
+                parts.append(("static", check_static(self.__name__, self.in_shardings, args, i, leaf)))
         return tuple(parts)
-
-    def _hashable_static(self, args: tuple, index: int, leaf):
-        """A static (non-tensor) leaf (flat leaf ``index`` of ``args``) as a cache-key part.
-
-        Raises TypeError for an unhashable one, naming the argument: the error of a non-tensor
-        argument given a sharding (``lowering.check_tensor_arguments``) where ``in_shardings``
-        gives it one, else one naming its position (``args[2]``, ``args[0]['x']``).
-        """
-        try:
-            hash(leaf)
-        except TypeError:
-            from spmd.lowering import check_tensor_arguments
-
-            check_tensor_arguments(self.in_shardings, args, self.__name__)
-            path = pytree.keystr(pytree.tree_flatten_with_path(args)[0][index][0])
-            hint = " (convert it with torch.from_numpy)" if type(leaf).__module__ == "numpy" else ""
-            raise TypeError(f"{self.__name__}: argument args{path}: expected a torch.Tensor, spmd.ShardedArray or a "
-                            f"hashable static value, got unhashable {type(leaf).__name__}{hint}") from None
-        return leaf
 
     def _entry_shardings(self, args: tuple, tree) -> list:
         """Per flat leaf, the ``NamedSharding`` of ``in_shardings`` for it (or None); cached per structure.

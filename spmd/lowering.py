@@ -1,16 +1,21 @@
 """Lowering a ``Jitted`` function for concrete arguments: flatten, resolve shardings, import, run passes.
 
 The imported program takes the flattened tensor leaves of the arguments as
-its parameters, in ``torch.utils._pytree`` order; non-tensor leaves are static.
+its parameters, in ``torch.utils._pytree`` order; non-tensor leaves are static: compiled in as
+constants, so they must be immutable values (``check_static``; ``static_key`` keys the caches).
 Tracing uses uninitialised CPU tensors of the arguments' shapes (``torch.export`` sees
 them as fake tensors, so no data is read and no device memory is touched).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import re
+import sys
+import types
+from enum import Enum
 from typing import Any
 
 import torch
@@ -27,12 +32,14 @@ def _is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, (PartitionSpec, NamedSharding))
 
 
-def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
+def leaf_specs(spec_tree: Any, values: tuple, what: str, single: bool = False) -> list:
     """Per-leaf sharding specs of ``values`` from a spec tree given per top-level value.
 
     ``spec_tree`` is None, one spec for everything, or a sequence with one entry
     per value, each a spec (for all leaves of that value) or a pytree matching it.
-    Raises ValueError when the structure does not match.
+    Raises ValueError when the structure does not match, naming the argument (``what`` is
+    "in_shardings") or output and the spec entry (``what`` itself when ``single``: the one
+    output of a function that returns no tuple, ``spec_tree`` wrapping ``out_shardings``).
     """
     if _is_spec_leaf(spec_tree):
         return [spec_tree] * len(pytree.tree_leaves(values))
@@ -51,8 +58,10 @@ def leaf_specs(spec_tree: Any, values: tuple, what: str) -> list:
         specs, spec_def = pytree.tree_flatten(_align(spec, value), is_leaf=_is_spec_leaf)
         value_def = pytree.tree_structure(value)
         if spec_def != value_def:
-            raise ValueError(f"{what}[{i}]: the sharding tree does not match the value's structure: "
-                             f"expected {_describe(value_def)}, got {_describe(spec_def)}")
+            name = f"args[{i}]: the sharding tree does not match the argument: the argument" \
+                if what == "in_shardings" else f"output {i}: the sharding tree does not match the output: the output"
+            raise ValueError(f"{name} is {_describe(value_def)}, but {what if single else f'{what}[{i}]'} is "
+                             f"{_describe(spec_def)}")
         out.extend(specs)
     return out
 
@@ -122,13 +131,100 @@ def _traced_call(jitted, args: tuple, call_args: list):
         raise
 
 
+# functions are keyed by identity, as the jitted function itself is (what they capture is compiled in)
+_STATIC_ATOMS = (type(None), bool, int, float, complex, str, bytes, Enum, torch.dtype, torch.device, torch.layout,
+                 torch.memory_format, type(Ellipsis), types.FunctionType, types.BuiltinFunctionType)
+STATIC_VALUES = ("None, bool, int, float, complex, str, bytes, an enum member, torch.dtype, torch.device, a "
+                 "function, or a tuple / frozenset / slice / frozen dataclass of those")
+
+
+def _is_value_dataclass(value) -> bool:
+    """A ``@dataclass(frozen=True)`` instance with field equality (eq=True, the default)."""
+    params = getattr(type(value), "__dataclass_params__", None)
+    return params is not None and params.frozen and params.eq
+
+
+def _static_parts(value) -> tuple | None:
+    """The parts of a static container value (a tuple, frozenset, slice or frozen dataclass), else None."""
+    if isinstance(value, (tuple, frozenset)):
+        return tuple(value)
+    if isinstance(value, slice):
+        return value.start, value.stop, value.step
+    if _is_value_dataclass(value):
+        return tuple(getattr(value, f.name) for f in dataclasses.fields(value))
+    return None
+
+
+def _is_numpy_scalar(value) -> bool:
+    """A numpy bool / int / float / complex scalar (immutable, compared by value)."""
+    np = sys.modules.get("numpy")  # not imported: no value is a numpy scalar
+    return np is not None and isinstance(value, np.generic) and value.dtype.kind in "biufc"
+
+
+def _static_problem(value) -> str | None:
+    """None when ``value`` can be compiled in as a constant (``STATIC_VALUES``: its equality is its
+    content and it can hold no tensor), else the type name of the (innermost) part that cannot."""
+    if isinstance(value, _STATIC_ATOMS) or _is_numpy_scalar(value):
+        return None
+    parts = _static_parts(value)
+    if parts is None:
+        return type(value).__name__
+    return next((p for p in map(_static_problem, parts) if p is not None), None)
+
+
+def static_key(value):
+    """A static value (one ``_static_problem`` accepts) as a hashable cache key: equal keys compile
+    to the same program. Unlike ``==``, NaN matches NaN, and 0.0 and -0.0, 1, 1.0 and True differ."""
+    if isinstance(value, float):
+        return type(value), value.hex()
+    if isinstance(value, complex):
+        return type(value), value.real.hex(), value.imag.hex()
+    if _is_numpy_scalar(value):
+        return type(value), value.tobytes()
+    parts = _static_parts(value)
+    if parts is None:
+        return type(value), value
+    keys = map(static_key, parts)
+    return type(value), frozenset(keys) if isinstance(value, frozenset) else tuple(keys)
+
+
+def check_static(fn_name: str, in_shardings, args: tuple, index: int, leaf):
+    """``static_key`` of flat leaf ``index`` of ``args``, a non-tensor leaf compiled in as a constant.
+
+    Raises TypeError, naming the argument, for a value that cannot be: one whose equality does
+    not follow its content, or that may hold a tensor (which would go stale in the program). An
+    argument ``in_shardings`` gives a sharding gets ``check_tensor_arguments``' error instead.
+    """
+    got = type(leaf).__name__
+    problem = _static_problem(leaf)
+    if problem is None:
+        key = static_key(leaf)
+        try:
+            hash(key)
+            return key
+        except TypeError:
+            got = f"unhashable {got}"
+    elif problem != got:
+        got = f"{got} holding a {problem}"
+    check_tensor_arguments(in_shardings, args, fn_name)
+    path = pytree.keystr(pytree.tree_flatten_with_path(args)[0][index][0])
+    if type(leaf).__module__ == "numpy":
+        got += " (convert it with torch.from_numpy)"
+    elif dataclasses.is_dataclass(leaf) and not _is_value_dataclass(leaf):
+        got += " (a dataclass must be @dataclass(frozen=True) of such values)"
+    raise TypeError(f"{fn_name}: argument args{path}: a non-tensor argument is compiled in as a constant, so it "
+                    f"must be an immutable value ({STATIC_VALUES}); got {got}. Pass tensors as arguments "
+                    "(alone or in a dict / list / tuple), not inside other objects")
+
+
 def _align(spec, value):
     """``spec`` with its dicts reordered to ``value``'s key order (dict order is not meaningful)."""
     if isinstance(spec, dict) and isinstance(value, dict) and set(spec) == set(value):
         return {k: _align(spec[k], value[k]) for k in value}
     if isinstance(spec, (list, tuple)) and not _is_spec_leaf(spec) and isinstance(value, (list, tuple)) \
             and len(spec) == len(value):
-        return type(spec)(_align(a, v) for a, v in zip(spec, value))
+        items = [_align(a, v) for a, v in zip(spec, value)]
+        return type(spec)(*items) if hasattr(spec, "_fields") else type(spec)(items)  # a NamedTuple takes fields
     return spec
 
 
@@ -170,6 +266,7 @@ def lower_function(jitted, args: tuple):
     tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, (torch.Tensor, ShardedArray))]
     in_leaves = [_resolve_leaf(leaves[i], specs[i], mesh, f"argument args{paths[i]}") for i in tensor_idx]
     static = {i: leaves[i] for i in range(len(leaves)) if i not in set(tensor_idx)}
+    static_keys = tuple((i, check_static(jitted.__name__, jitted.in_shardings, args, i, v)) for i, v in static.items())
     holder: dict[str, Any] = {}
 
     def flat_fn(*tensors):
@@ -204,7 +301,7 @@ def lower_function(jitted, args: tuple):
     layouts = tuple(p.sharding for p in module.entry.parameters) + tuple(
         o.sharding for o in (root.operands if root.opcode == "tuple" else [root]))
     key = (print_module(module), layouts, mesh, jitted.options, jitted.donate_argnums, jitted.weight_argnums,
-           repr(static))
+           static_keys)
     out_avals = [(torch.Size(o.shape.dims), o.shape.torch_dtype)
                  for o in (root.operands if root.opcode == "tuple" else [root])]
     from spmd.compiled import donated_leaves
@@ -231,7 +328,8 @@ _SHAPES_SHOWN = 6  # argument shapes quoted at each end in a tracing error
 
 
 def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
-    """Trace and import; a shape error inside the user's function becomes a ValueError naming the shapes."""
+    """Trace and import; a shape error inside the user's function becomes a ValueError naming the shapes,
+    an in-place update of a module buffer or captured tensor one saying so (``_mutated_state_message``)."""
     from spmd.frontend.constraint import TRACING_MESH
     from spmd.frontend.joint_attention import FUSED_ATTENTION_GRAD
     from spmd.frontend.torch_export import UnsupportedOpError
@@ -247,6 +345,8 @@ def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
         raise
     except (RuntimeError, ArithmeticError) as e:  # ArithmeticError: e.g. a decomposition dividing by a
         # zero numel (mse_loss's backward on an empty batch)
+        if _MUTATED_CONSTANT.match(str(e)):
+            raise ValueError(_mutated_state_message(jitted)) from e
         shapes = [f"args{paths[i]}: {tuple(x.shape)}" for i, x in zip(tensor_idx, examples)]
         if len(shapes) > 2 * _SHAPES_SHOWN:  # a train step of a real model has hundreds of leaves: the first
             # ones (usually weights) and the last ones (usually the batch) are kept
@@ -260,6 +360,24 @@ def _import(import_program, flat_fn, examples, jitted, paths, tensor_idx):
         FUSED_ATTENTION_GRAD.reset(fused_token)
         for log, level in quiet:
             log.setLevel(level)
+
+
+# torch.export's error for a captured tensor (an nn.Module's buffer, under spmd.jit) updated in place
+_MUTATED_CONSTANT = re.compile(r"Constant \S+ is mutated in the forward method")
+
+
+def _mutated_state_message(jitted) -> str:
+    """Why a function that updates a captured tensor (e.g. a module's buffer) in place cannot be compiled."""
+    fn = jitted.fn
+    norms = [f"{type(m).__name__} {name!r}" if name else type(m).__name__ for name, m in fn.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats] \
+        if isinstance(fn, torch.nn.Module) else []
+    which = (f"here {', '.join(norms)} updates its running statistics in training mode" if norms else
+             "e.g. BatchNorm's running statistics in training mode")
+    return (f"{jitted.__name__}: the function updates a module buffer (or another tensor it captures) in place "
+            f"({which}); spmd.jit compiles a module's parameters and buffers, and tensors the function captures, "
+            "in as constants, so it cannot compile that. Call module.eval() for inference, or pass the state as an "
+            "argument and return its new value (torch.func.functional_call(module, state, inputs))")
 
 
 # PyTorch loggers that print an error's traceback (fake-tensor meta failures) or the partial graph
@@ -329,7 +447,7 @@ def _annotate(module: Module, mesh, in_leaves, out_shardings, out_tree) -> None:
         specs = [out_shardings] * n_out
     else:
         specs = leaf_specs(tuple(out_shardings) if isinstance(outs, tuple) else (out_shardings,),
-                           outs if isinstance(outs, tuple) else (outs,), "out_shardings")
+                           outs if isinstance(outs, tuple) else (outs,), "out_shardings", not isinstance(outs, tuple))
     root = module.entry.root
     outputs = root.operands if root.opcode == "tuple" else [root]
     for k, (value, spec) in enumerate(zip(outputs, specs)):

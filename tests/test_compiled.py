@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 
+import pytest
 import torch
 
 import spmd
@@ -74,3 +75,17 @@ def test_equal_programs_of_two_jit_functions_keep_their_own_weights_adopted(monk
         for f, w in zip(fns, weights, strict=True):
             torch.testing.assert_close(f(x, w).to_torch(), x.to_torch() @ w.to_torch())
     assert staged.value == before  # x and each function's weight stay adopted: nothing is copied
+
+
+def test_a_call_compares_static_arguments_by_their_cache_key():
+    # nan != nan made a Compiled reject the very nan it was compiled for; 0.0 == -0.0 let it run
+    # the program of 0.0 for -0.0 (1 / (x * k) is +inf instead of -inf)
+    mesh = Mesh.create(("tp",), devices="cpu:2")
+    f = spmd.jit(lambda x, k: 1 / (x * k), mesh=mesh)
+    x = torch.ones(4)
+    c = f.lower(x, float("nan")).compile()
+    assert torch.isnan(c(x, float("nan")).to_torch()).all()
+    c = f.lower(x, 0.0).compile()
+    assert torch.equal(c(x, 0.0).to_torch(), torch.full((4,), float("inf")))
+    with pytest.raises(ValueError, match=r"static argument leaf 1 is -0.0, compiled for 0.0"):
+        c(x, -0.0)

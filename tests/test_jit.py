@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
 
 import pytest
@@ -368,8 +370,126 @@ def test_an_unhashable_non_tensor_argument_is_named():
 
     with pytest.raises(TypeError, match=r"f: argument 1: expected a torch.Tensor or spmd.ShardedArray .* got ndarray"):
         spmd.jit(f, mesh=mesh, in_shardings=(P(), P()))(torch.ones(2), np.ones(3))
-    with pytest.raises(TypeError, match=r"f: argument args\[1\]\['x'\]\[1\]: expected a torch.Tensor, "
-                                        r"spmd.ShardedArray or a hashable static value, got unhashable ndarray "
+    with pytest.raises(TypeError, match=r"f: argument args\[1\]\['x'\]\[1\]: a non-tensor argument is compiled in "
+                                        r"as a constant, so it must be an immutable value \(.*\); got ndarray "
                                         r"\(convert it with torch.from_numpy\)"):
         spmd.jit(f, mesh=mesh)(torch.ones(2), {"x": [1, np.ones(2)]})
     assert torch.equal(spmd.jit(f, mesh=mesh)(torch.ones(2), {"x": [1, 2]}).to_torch(), torch.full((2,), 2.0))
+
+
+class _Holder:
+    def __init__(self, x):
+        self.x = x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    scale: float
+    shift: tuple = (1, 2)
+    color: enum.Enum | None = None
+
+
+@dataclasses.dataclass
+class _MutableConfig:
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorConfig:
+    w: torch.Tensor
+
+
+class _Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+@pytest.mark.parametrize("bad, got", [
+    (_Holder(torch.ones(4)), "_Holder"),
+    (_MutableConfig(2.0), r"_MutableConfig \(a dataclass must be @dataclass\(frozen=True\) of such values\)"),
+    (_TensorConfig(torch.ones(4)), "_TensorConfig holding a Tensor"),
+    (_Config(2.0, (1, torch.ones(1))), "_Config holding a Tensor"),
+    (torch.nn.Linear(4, 4), "Linear"),
+    ({1, 2}, "set"),
+])
+def test_a_static_argument_that_may_hide_a_tensor_is_a_type_error(bad, got):
+    """A tensor inside an object used to be compiled in as a constant: a later call with the object's
+    tensor replaced (``o.x = torch.zeros(4)``) returned the old values instead of eager's."""
+    f = spmd.jit(lambda x, d: x * 2, mesh=MESH)
+    msg = (r"<lambda>: argument args\[1\]: a non-tensor argument is compiled in as a constant, so it must be an "
+           rf"immutable value \(None, bool, int, float, .*\); got {got}\. Pass tensors as arguments")
+    with pytest.raises(TypeError, match=msg):
+        f(torch.ones(4), bad)
+    with pytest.raises(TypeError, match=msg):
+        f.lower(torch.ones(4), bad)
+    assert not f._cache
+
+
+def test_the_object_holding_a_tensor_from_the_report_is_rejected():
+    g = spmd.jit(lambda d: d.x * 2, mesh=MESH)
+    with pytest.raises(TypeError, match=r"args\[0\]: a non-tensor argument .* got _Holder"):
+        g(_Holder(torch.ones(4)))
+    # the tensor passed as an argument (here in a dict) is read at every call
+    h = spmd.jit(lambda d: d["x"] * 2, mesh=MESH)
+    assert torch.equal(h({"x": torch.ones(4)}).to_torch(), torch.full((4,), 2.0))
+    assert torch.equal(h({"x": torch.zeros(4)}).to_torch(), torch.zeros(4))
+
+
+def test_immutable_static_arguments_work_and_key_the_cache():
+    import numpy as np
+
+    def fn(x, cfg, color, dtype, s, n, tag):
+        y = x[s] * cfg.scale + cfg.shift[1] + n
+        y = y * (2 if color is _Color.RED else 3)
+        return (y if tag == "keep" else -y).to(dtype)
+
+    f = spmd.jit(fn, mesh=MESH)
+    x = torch.arange(8.0)
+    args = (_Config(1.5), _Color.BLUE, torch.float64, slice(1, 5), np.float32(0.5), "keep")
+    torch.testing.assert_close(f(x, *args).to_torch(), fn(x, *args))
+    miss = _counter("compile_cache.miss")
+    f(x, _Config(1.5), _Color.BLUE, torch.float64, slice(1, 5), np.float32(0.5), "keep")  # equal values: a hit
+    assert _counter("compile_cache.miss") == miss
+    other = (_Config(1.5, (1, 3)), _Color.RED, torch.float32, slice(0, 4), np.float32(0.5), "flip")
+    torch.testing.assert_close(f(x, *other).to_torch(), fn(x, *other))
+    assert _counter("compile_cache.miss") == miss + 1
+    sample = spmd.jit(lambda x, s: x / s.temperature, mesh=MESH)  # spmd's own frozen dataclass
+    torch.testing.assert_close(sample(x, spmd.Sampling(temperature=0.5)).to_torch(), x / 0.5)
+
+
+def test_a_nan_static_argument_matches_itself():
+    # used to fail on the first call: "static argument leaf 1 is nan, compiled for nan" (nan != nan)
+    f = spmd.jit(lambda x, n: x * n, mesh=MESH)
+    assert torch.isnan(f(torch.ones(4), float("nan")).to_torch()).all()
+    miss = _counter("compile_cache.miss")
+    assert torch.isnan(f(torch.ones(4), float("nan")).to_torch()).all()  # another nan object: a hit
+    assert _counter("compile_cache.miss") == miss
+    c = f.lower(torch.ones(4), float("nan")).compile()
+    assert torch.isnan(c(torch.ones(4), float("nan")).to_torch()).all()
+    with pytest.raises(ValueError, match=r"static argument leaf 1 is 1.0, compiled for nan"):
+        c(torch.ones(4), 1.0)
+
+
+def test_signed_zero_and_int_float_bool_static_arguments_compile_apart():
+    # 0.0 == -0.0 and 1 == 1.0 == True, but the programs differ: -0.0 and 0.0 used to share one
+    # entry, so 1 / (x * -0.0) returned +inf after a call with 0.0
+    f = spmd.jit(lambda x, k: 1 / (x * k), mesh=MESH)
+    x = torch.ones(4)
+    for k in (0.0, -0.0, 0.0):
+        assert torch.equal(f(x, k).to_torch(), 1 / (x * k))
+    g = spmd.jit(lambda x, k: x // 2 * k, mesh=MESH)
+    xi = torch.arange(4)
+    for k in (1, 1.0, True):
+        out = g(xi, k).to_torch()
+        assert out.dtype == (xi // 2 * k).dtype and torch.equal(out, xi // 2 * k)
+    c = f.lower(x, 0.0).compile()
+    with pytest.raises(ValueError, match=r"static argument leaf 1 is -0.0, compiled for 0.0"):
+        c(x, -0.0)
+
+
+def test_a_function_is_a_static_argument():
+    mesh = Mesh.create({"x": 1}, devices="cpu:1")
+    f = spmd.jit(lambda x, act: act(x), mesh=mesh)
+    x = torch.randn(5)
+    assert torch.equal(f(x, torch.relu).to_torch(), torch.relu(x))
+    assert torch.equal(f(x, torch.tanh).to_torch(), torch.tanh(x))  # another function: another program

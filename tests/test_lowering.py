@@ -1,5 +1,8 @@
 """``spmd.lowering``: the process-wide compile-cache key."""
 
+import re
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -84,3 +87,83 @@ def test_out_shardings_that_is_no_spec_and_no_sequence_for_a_tuple_output_is_a_t
         f(torch.randn(4, 4))
     ok = spmd.jit(lambda a: (a, a * 2), mesh=mesh, in_shardings=(P(),), out_shardings=[P(), P("tp")])(torch.ones(4, 4))
     assert ok[1].sharding == NamedSharding(mesh, P("tp"))
+
+
+_MESH = spmd.Mesh.create({"tp": 2}, devices="cpu:2")
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def test_a_namedtuple_argument_takes_a_namedtuple_of_specs():
+    # used to fail in lowering._align: "Pair.__new__() missing 1 required positional argument: 'b'"
+    f = spmd.jit(lambda p: _Pair(p.a + p.b, p.a * p.b), mesh=_MESH, in_shardings=(_Pair(P("tp"), P()),),
+                 out_shardings=_Pair(P(), P("tp")))
+    a, b = torch.randn(8), torch.randn(8)
+    out = f(_Pair(a, b))
+    assert isinstance(out, _Pair) and out.b.sharding.spec == P("tp")
+    torch.testing.assert_close(out.a.to_torch(), a + b)
+    torch.testing.assert_close(out.b.to_torch(), a * b)
+    assert [s.sharding.spec for s in f.lower(_Pair(a, b)).compile().input_specs] == [P("tp"), P()]
+
+
+def test_a_sharding_tree_mismatch_names_the_argument_and_the_spec():
+    x = torch.ones(4)
+    f = spmd.jit(lambda d: d["a"], mesh=_MESH, in_shardings=({"a": P(), "b": P()},))
+    with pytest.raises(ValueError, match=re.escape(
+            "args[0]: the sharding tree does not match the argument: the argument is a dict with keys ['a'], "
+            "but in_shardings[0] is a dict with keys ['a', 'b']")):
+        f({"a": x})
+    g = spmd.jit(lambda x: (x, x), mesh=_MESH, out_shardings=(P(), {"a": P()}))
+    with pytest.raises(ValueError, match=re.escape(
+            "output 1: the sharding tree does not match the output: the output is a single value, but "
+            "out_shardings[1] is a dict with keys ['a']")):
+        g(x)
+    h = spmd.jit(lambda x: {"a": x}, mesh=_MESH, out_shardings=({"a": P()},))  # one output: out_shardings is its tree
+    with pytest.raises(ValueError, match=re.escape(
+            "output 0: the sharding tree does not match the output: the output is a dict with keys ['a'], but "
+            "out_shardings is a tuple of 1")):
+        h(x)
+
+
+def test_static_key_tells_apart_what_equality_confuses():
+    from spmd.lowering import static_key
+
+    nan = float("nan")
+    assert static_key(nan) == static_key(float("nan")) and hash(static_key(nan)) == hash(static_key(float("nan")))
+    assert static_key(0.0) != static_key(-0.0)
+    assert len({static_key(1), static_key(1.0), static_key(True)}) == 3
+    assert static_key((1, 2.0)) != static_key((1.0, 2.0))
+    assert static_key(complex(0.0, nan)) == static_key(complex(0.0, nan))
+    assert static_key(slice(1, None)) == static_key(slice(1, None))
+    assert static_key(frozenset({1, 2})) == static_key(frozenset({2, 1}))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_module_that_updates_its_buffers_in_forward_is_named(train):
+    # used to be torch.export's "Constant lifted_tensor_0 is mutated in the forward method. Pls register
+    # it as buffer" (spmd.jit compiles a module's buffers in as constants)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train(train)
+    f = spmd.jit(model, mesh=_MESH, in_shardings=(P("tp"),), out_shardings=P())
+    if train:
+        with pytest.raises(ValueError, match=r"Sequential: the function updates a module buffer \(or another tensor "
+                                             r"it captures\) in place \(here BatchNorm1d '1' updates its running "
+                                             r"statistics in training mode\); .* Call module.eval\(\)"):
+            f(torch.randn(8, 4))
+    else:  # eval mode traces; batch norm itself has no conversion: the error names the op
+        with pytest.raises(TypeError, match=r"unsupported operation aten._native_batch_norm_legit_no_training"):
+            f(torch.randn(8, 4))
+
+
+def test_a_function_that_updates_a_captured_tensor_is_named():
+    state = torch.zeros(4)
+
+    def count(x):
+        state.add_(1)
+        return x * 2
+
+    with pytest.raises(ValueError, match=r"count: the function updates a module buffer \(or another tensor it "
+                                         r"captures\) in place \(e.g. BatchNorm's running statistics"):
+        spmd.jit(count, mesh=_MESH)(torch.ones(4))

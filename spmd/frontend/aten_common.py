@@ -28,6 +28,27 @@ class UnsupportedOpError(TypeError):
     """
 
 
+class InvalidArgumentError(TypeError):
+    """An op of the traced program is given an argument PyTorch eager rejects (e.g. a float index
+    tensor). The converter raises it; the message then gets the ATen op and the user's file:line.
+    """
+
+
+INDEX_DTYPES = (torch.int64, torch.int32)
+LONG = (torch.int64,)  # index_copy and one_hot take int64 indices only
+MASKS = (torch.int64, torch.int32, torch.bool)  # advanced indexing: x[i], x[i] = v (index / index_put)
+
+
+def check_index(x: Instruction, what: str = "index", allowed: tuple = INDEX_DTYPES) -> None:
+    """Raise ``InvalidArgumentError`` unless ``x``'s dtype is one of ``allowed``, as PyTorch eager does.
+
+    Without it a float index would be truncated (and a uint8 one, a mask to eager, read as positions).
+    """
+    if x.shape.torch_dtype not in allowed:
+        kinds, got = ("/".join(str(d).removeprefix("torch.") for d in ds) for ds in (allowed, [x.shape.torch_dtype]))
+        raise InvalidArgumentError(f"expected an integer ({kinds}) {what} tensor, got {got}")
+
+
 class Missing:
     """A multi-output op's result that is not converted (e.g. max.dim's indices).
 

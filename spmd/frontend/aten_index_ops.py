@@ -17,6 +17,8 @@ Index values: ``index_put`` (and so ``x[idx] = v``, ``x[idx] += v`` as export wr
 negative indices as PyTorch does. The other ops take indices in ``[0, n)`` as PyTorch requires;
 spmd does not check them on the device (it would need a host sync per call): where PyTorch
 eager raises, a gather clamps the index into range and a scatter drops the update (XLA's rules).
+Index tensors must be int64 / int32 (int64 for ``one_hot``; int64 / int32 / bool for ``index_put``),
+as PyTorch requires: another dtype raises ``InvalidArgumentError`` (a float index is never truncated).
 With repeated indices, ``add`` sums every update (embedding backward); a replacing scatter keeps
 one of them, unspecified which, as PyTorch documents for ``index_put_`` / ``scatter_``.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from spmd.frontend.aten_common import norm_dim, out_dims, out_dtype, register
+from spmd.frontend.aten_common import LONG, check_index, norm_dim, out_dims, out_dtype, register
 from spmd.frontend.aten_update_ops import dynamic_update, wrap_index
 from spmd.frontend.emitter import Emitter
 from spmd.ir.hlo import Computation, Instruction, Shape
@@ -129,6 +131,7 @@ def take_along(em: Emitter, x: Instruction, d: int, index: Instruction) -> Instr
 @register(aten.gather.default)
 def _gather(em: Emitter, a: dict, val) -> Instruction:
     x, index = a["self"], a["index"]
+    check_index(index)
     if x.shape.rank == 0:
         x, index = em.reshape(x, (1,)), em.reshape(index, (1,))
     d = norm_dim(a["dim"], x.shape.rank)
@@ -139,6 +142,7 @@ def _gather(em: Emitter, a: dict, val) -> Instruction:
 def _index_select(em: Emitter, a: dict, val) -> Instruction:
     """Rows ``index`` (0-d or 1-d) of x along dim: a rows-form gather."""
     x, index = a["self"], a["index"]
+    check_index(index)
     if x.shape.rank == 0:
         if index.shape.numel != 1:  # as eager
             raise ValueError(f"index_select: an index into a 0-d tensor can have only 1 value, got "
@@ -159,6 +163,7 @@ def _index_select(em: Emitter, a: dict, val) -> Instruction:
 def scatter_elements(em: Emitter, x: Instruction, d: int, index: Instruction, src: Instruction,
                      kind: str) -> Instruction:
     """``x.scatter_(d, index, src)`` combining with ``kind``: along-form scatter into x's slice of index's dims."""
+    check_index(index)
     if x.shape.rank == 0:
         return em.reshape(scatter_elements(em, em.reshape(x, (1,)), 0, em.reshape(index, (1,)),
                                            em.reshape(src, (1,)), kind), ())
@@ -215,6 +220,7 @@ def _scatter_reduce(em: Emitter, a: dict, val) -> Instruction:
 @register(aten.index_add.default)
 def _index_add(em: Emitter, a: dict, val) -> Instruction:
     """``x.index_add(dim, index, source, alpha)``: rows of source (times alpha) added at rows index."""
+    check_index(a["index"])
     x = em.convert(a["self"], out_dtype(val))
     if x.shape.rank == 0:
         x = em.reshape(x, (1,))
@@ -234,6 +240,7 @@ def _one_hot(em: Emitter, a: dict, val) -> Instruction:
 
     An index outside ``[0, num_classes)`` gives an all-zero row (PyTorch eager raises).
     """
+    check_index(a["self"], "class index", LONG)
     i = em.convert(a["self"], "s64")
     dims = out_dims(val)
     ids = em.broadcast(i, dims, tuple(range(i.shape.rank)))

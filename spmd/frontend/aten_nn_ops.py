@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from spmd.frontend.aten_common import norm_dim, operand, out_dims, out_dtype, register
+from spmd.frontend.aten_common import check_index, norm_dim, operand, out_dims, out_dtype, register
 from spmd.frontend.aten_ops import _opmath, _tracing_platform, _var_mean
 from spmd.frontend.emitter import Emitter
 from spmd.ir.hlo import Instruction, Shape
@@ -151,4 +151,5 @@ def _silu(em: Emitter, a: dict, val) -> Instruction:
 
 @register(aten.embedding.default)
 def _embedding(em: Emitter, a: dict, val) -> Instruction:
+    check_index(a["indices"], "indices")
     return em.gather_rows(a["weight"], a["indices"])

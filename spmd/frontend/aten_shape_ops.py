@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from spmd.frontend.aten_common import ATEN_OPS, norm_dim, out_dims, out_dtype, register
+from spmd.frontend.aten_common import ATEN_OPS, MASKS, check_index, norm_dim, out_dims, out_dtype, register
 from spmd.frontend.constraint import decode_spec
 from spmd.frontend.emitter import Emitter
 from spmd.ir.hlo import Instruction
@@ -133,6 +133,8 @@ def _index(em: Emitter, a: dict, val) -> Instruction:
     """
     x, indices = a["self"], list(a["indices"])
     used = [i for i, t in enumerate(indices) if t is not None]
+    for i in used:
+        check_index(indices[i], allowed=MASKS)
     if any(indices[i].shape.dtype == "pred" for i in used):
         raise NotImplementedError("aten.index with a boolean mask (data-dependent shape)")
     batch = tuple(torch.broadcast_shapes(*[indices[i].shape.dims for i in used]))

@@ -17,6 +17,8 @@ element, accumulate=False)             the KV-cache update ``cache[:, :, pos] = 
 Index semantics: negative positions count from the end (as in PyTorch). Positions out of
 ``[-n, n)`` are not checked on the device (that would need a host sync per call): a
 ``dynamic-update-slice`` clamps its start into range (XLA semantics) where PyTorch eager raises.
+Index dtypes are checked as PyTorch checks them (``aten_common.check_index``): int64 for
+``index_copy``, int64 / int32 / bool for ``index_put``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from spmd.frontend.aten_common import norm_dim, out_dims, out_dtype, register
+from spmd.frontend.aten_common import LONG, MASKS, check_index, norm_dim, out_dims, out_dtype, register
 from spmd.frontend.emitter import Emitter
 from spmd.ir.hlo import Instruction
 
@@ -119,6 +121,8 @@ def _index_put(em: Emitter, a: dict, val) -> Instruction:
     x, values, accumulate = a["self"], a["values"], bool(a["accumulate"])
     indices = list(a["indices"]) + [None] * (x.shape.rank - len(a["indices"]))
     used = [i for i, t in enumerate(indices) if t is not None]
+    for i in used:
+        check_index(indices[i], allowed=MASKS)
     if not used:
         v = em.broadcast_to(em.convert(values, x.shape.dtype), x.shape.dims)
         return em.binary("add", x, v) if accumulate else v
@@ -143,6 +147,7 @@ def _index_copy(em: Emitter, a: dict, val) -> Instruction:
     x = a["self"]
     d = norm_dim(a["dim"], x.shape.rank)
     index = a["index"]
+    check_index(index, allowed=LONG)
     if index.shape.rank == 0:
         index = em.reshape(index, (1,))
     indices = [None] * d + [index]

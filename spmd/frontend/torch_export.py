@@ -44,7 +44,7 @@ import spmd.frontend.aten_sdpa_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_shape_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_sort_ops  # noqa: F401  (registers converters)
 import spmd.frontend.aten_update_ops  # noqa: F401  (registers converters)
-from spmd.frontend.aten_common import ATEN_OPS, Missing, UnsupportedOpError, bind_args
+from spmd.frontend.aten_common import ATEN_OPS, InvalidArgumentError, Missing, UnsupportedOpError, bind_args
 from spmd.frontend.aten_random_ops import rng_key_parameter
 from spmd.frontend.emitter import Emitter, dtype_of
 from spmd.frontend.joint import GradDetector, import_joint
@@ -182,8 +182,10 @@ def import_program(fn_or_module, args, kwargs: dict | None = None, name: str | N
       args, kwargs: example inputs; tensors become parameters with their shapes and dtypes.
       name: module name (default: the function or class name).
     Raises:
-      UnsupportedOpError (a TypeError): an op without conversion; the message names the ATen
-        op and the user's file:line.
+      UnsupportedOpError (a TypeError): an op without conversion, or with side effects (an effect
+        token, e.g. torch.linalg's error checks); the message names the ATen op and the user's file:line.
+      InvalidArgumentError (a TypeError): an op given an argument PyTorch rejects (an index tensor
+        of a non-integer dtype), named with the op and the user's file:line.
     """
     if name is None:
         name = getattr(fn_or_module, "__name__", type(fn_or_module).__name__)
@@ -249,9 +251,25 @@ def _inputs(ep: ExportedProgram, em: Emitter, env: dict) -> tuple[list[str], lis
             raise UnsupportedOpError("random ops with an explicit generator= are not supported (spmd draws a "
                                      "fresh key from the default generator at every call; seed it with "
                                      "torch.manual_seed and drop generator=)")
+        elif spec.kind == InputKind.TOKEN:
+            raise UnsupportedOpError(f"unsupported operation {_effect_of(ep, spec.arg.name)}: an operation with side "
+                                     "effects (torch.export threads an effect token through it, as through the error "
+                                     "checks of torch.linalg functions such as inv, or print / assert ops), which spmd "
+                                     "cannot compile")
         elif spec.kind not in (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER):
             raise UnsupportedOpError(f"unsupported program input {spec.arg} of kind {spec.kind.name}")
     return names, params, values
+
+
+def _effect_of(ep: ExportedProgram, token: str) -> str:
+    """The effectful op (and its file:line) of the first node consuming the effect ``token`` placeholder."""
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and any(getattr(a, "name", None) == token for a in node.args):
+            if node.target is not torch.ops.higher_order.with_effects:
+                return f"{node.target} at {_where(location_of(node))}"
+            of = "".join(f" (of {a})" for a in node.args[2:] if isinstance(a, str))  # linalg checks name the API
+            return f"{node.args[1]}{of} at {_where(location_of(node))}"
+    return "<unknown>"
 
 
 def _user_leaf_indices(ep: ExportedProgram, names: list[str], n_params: int) -> tuple[int, ...]:
@@ -318,6 +336,8 @@ def _convert_node(em: Emitter, node: torch.fx.Node, env: dict) -> Any:
         out = conv(em, bound, node.meta.get("val"))
     except UnsupportedOpError:
         raise
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{loc.op_name} at {_where(loc)}: {e}") from None
     except (NotImplementedError, TypeError) as e:
         raise UnsupportedOpError(f"unsupported operation {loc.op_name} at {_where(loc)}: {e}") from e
     for v in out if isinstance(out, tuple) else ():

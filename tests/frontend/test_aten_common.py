@@ -35,3 +35,43 @@ def test_reductions_of_a_0d_tensor_over_dim_0_equal_eager(name):
     got = got.to_torch()
     assert got.shape == want.shape
     torch.testing.assert_close(got.double(), want.double())
+
+
+def _converter_call(op, **args):
+    """Run the converter of ``op`` on an Emitter, tensors given as example tensors (their dtype and shape)."""
+    from spmd.frontend.aten_common import ATEN_OPS
+    from spmd.frontend.emitter import Emitter, dtype_of
+    from spmd.ir.hlo import Shape
+
+    em = Emitter()
+    bound = {k: em.parameter(i, Shape(dtype_of(v.dtype), tuple(v.shape)), k) if isinstance(v, torch.Tensor) else
+             [em.parameter(i, Shape(dtype_of(t.dtype), tuple(t.shape)), k) for t in v] if isinstance(v, list) else v
+             for i, (k, v) in enumerate(args.items())}
+    return ATEN_OPS[op](em, bound, torch.empty(4, 8))
+
+
+aten = torch.ops.aten
+_F = torch.tensor([1.0, 2.0])
+
+
+@pytest.mark.parametrize("op, args, allowed", [
+    (aten.gather.default, dict(self=torch.zeros(4, 8), dim=1, index=_F.reshape(1, 2)), "int64/int32"),
+    (aten.index_select.default, dict(self=torch.zeros(4, 8), dim=1, index=_F), "int64/int32"),
+    (aten.scatter.value, dict(self=torch.zeros(4, 8), dim=1, index=_F.reshape(1, 2), value=1.0, reduce=None),
+     "int64/int32"),
+    (aten.index_add.default, dict(self=torch.zeros(4, 8), dim=1, index=_F, source=torch.ones(4, 2), alpha=1),
+     "int64/int32"),
+    (aten.index_copy.default, dict(self=torch.zeros(4, 8), dim=1, index=_F, source=torch.ones(4, 2)), "int64"),
+    (aten.index.Tensor, dict(self=torch.zeros(4, 8), indices=[_F]), "int64/int32/bool"),
+    (aten.index_put.default, dict(self=torch.zeros(4, 8), indices=[_F], values=torch.ones(8), accumulate=False),
+     "int64/int32/bool"),
+    (aten.embedding.default, dict(weight=torch.zeros(4, 8), indices=_F), "int64/int32"),
+    (aten.one_hot.default, dict(self=_F, num_classes=8), "int64"),
+])
+def test_a_float_index_is_rejected_by_every_indexing_converter(op, args, allowed):
+    # index_copy_ / index_select with a float index used to truncate it (2.7 wrote slot 2) where
+    # PyTorch raises; gather, scatter, x[i] and embedding are rejected by torch.export before this
+    from spmd.frontend.aten_common import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=rf"expected an integer \({allowed}\) .*tensor, got float32"):
+        _converter_call(op, **args)

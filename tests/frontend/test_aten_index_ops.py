@@ -227,3 +227,25 @@ def test_index_select_of_a_0d_tensor():
     with pytest.raises(ValueError, match="index_select: an index into a 0-d tensor can have only 1 value, got 2"):
         spmd.jit(lambda t: t.index_select(0, torch.tensor([0, 0])), mesh=mesh, in_shardings=(P(),),
                  out_shardings=P())(x)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, i: x.index_select(1, i),
+    lambda x, i: x.index_add(1, i, torch.ones(4, 2, dtype=F64)),
+    lambda x, i: F.one_hot(i, 8).to(F64),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.int32])
+def test_index_dtypes_match_eager(fn, dtype):
+    # a float index used to be truncated (index 2.7 read row 2) where PyTorch raises; int32 stays
+    # accepted where eager accepts it (not by one_hot, which takes int64 only)
+    from spmd.frontend.aten_common import InvalidArgumentError
+
+    x, i = _r(4, 8), torch.tensor([2.7, 5.0]).to(dtype)
+    try:
+        want = fn(x, i)
+    except RuntimeError:
+        with pytest.raises(InvalidArgumentError, match=r"test_aten_index_ops.py:\d+: expected an integer "
+                                                       rf"\(int64(/int32)?\) .*tensor, got {str(dtype)[6:]}"):
+            run_imported(fn, (x, i))
+        return
+    assert_close_tree(run_imported(fn, (x, i))[1], want)

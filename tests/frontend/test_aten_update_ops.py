@@ -201,3 +201,29 @@ def test_slice_assignment_into_one_row_shards():
     x = torch.randn(6, 2, 1, dtype=F64)
     g = spmd.jit(f, mesh=mesh, in_shardings=(P(None, "tp"),), out_shardings=P())
     torch.testing.assert_close(g(x).to_torch(), f(x))
+
+
+def test_a_float_or_byte_index_is_rejected_as_eager_rejects_it():
+    # the report: a float position 2.7 wrote slot 2, where eager raises "Expected a long tensor for index"
+    mesh = Mesh.create({"tp": 2}, devices="cpu:2")
+    h = spmd.jit(lambda c, p, k: c.index_copy_(1, p.reshape(1), k.unsqueeze(1)), mesh=mesh,
+                 in_shardings=(P("tp"), P(), P("tp")), out_shardings=P("tp"))
+    for pos, dtype in ((torch.tensor(2.7), "float32"), (torch.tensor(2, dtype=torch.int32), "int32")):
+        with pytest.raises(TypeError, match=r"aten.index_copy.default at .*test_aten_update_ops.py:\d+: expected an "
+                                            rf"integer \(int64\) index tensor, got {dtype}"):
+            h(torch.zeros(2, 8), pos, torch.ones(2))
+    out = h(torch.zeros(2, 8), torch.tensor(2), torch.ones(2)).to_torch()
+    assert torch.equal(out, torch.zeros(2, 8).index_copy_(1, torch.tensor([2]), torch.ones(2, 1)))
+
+    def put(x, i):
+        x = x.clone()
+        x[:, i] = 1.0
+        return x
+
+    for i in (torch.tensor([1.0, 2.0]), torch.tensor([1, 0, 1, 0, 1, 0, 1, 0], dtype=torch.uint8)):
+        # (uint8 is a mask to eager; the converter read it as positions)
+        with pytest.raises(TypeError, match=r"aten.index_put.default at .*: expected an integer "
+                                            r"\(int64/int32/bool\) index tensor, got (float32|uint8)"):
+            import_program(put, (torch.zeros(4, 8), i))
+    x, i = torch.zeros(4, 8, dtype=torch.float64), torch.tensor([1, 6], dtype=torch.int32)
+    assert_close_tree(run_imported(put, (x, i))[1], put(x, i))

@@ -147,6 +147,17 @@ def test_unsupported_op_names_op_and_user_line():
     assert "torch.logcumsumexp" in src
 
 
+def test_an_op_with_side_effects_is_named():
+    # used to be "unsupported program input TokenArgument(name='token') of kind TOKEN"
+    def f(x):
+        return torch.linalg.inv(x) + 1  # the effectful line
+
+    with pytest.raises(UnsupportedOpError, match=r"unsupported operation aten._linalg_check_errors.default \(of "
+                                                 r"linalg.inv\) at .*test_torch_export.py:\d+: an operation with "
+                                                 r"side effects \(torch.export threads an effect token"):
+        import_program(f, (torch.eye(4),))
+
+
 def test_unsupported_fft():
     with pytest.raises(UnsupportedOpError, match="fft"):
         import_program(lambda x: torch.fft.fft(x).real, (torch.randn(8),))
