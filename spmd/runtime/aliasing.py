@@ -63,14 +63,20 @@ def output_clones(lw, output_slots: list[int], op_buffers: dict[int, int],
     written = {lw.ops[k].out for k in plan}
     clones, returned = [], set()
     for s in output_slots:
-        # an output written into a donated buffer owns that buffer (``plan`` gives each its own)
-        memory = {s} if s in written else _memory_of(s, links)
+        # an output written into a donated buffer owns that buffer (``plan`` gives each its own);
+        # a tuple slot (a multi-output fusion's result) is no memory of its own
+        memory = {s} if s in written else {m for m in _memory_of(s, links) if not _is_tuple(lw, m)}
         # two outputs never share memory (XLA's copy insertion gives every output its own
         # buffer): donating or updating one must not change the other
         clones.append(bool(memory & returned) or (s not in written and bool(memory & held)))
         if not clones[-1]:
             returned |= memory
     return tuple(clones)
+
+
+def _is_tuple(lw, slot: int) -> bool:
+    inst = lw.slot_inst.get(slot)
+    return inst is not None and inst.shape.is_tuple
 
 
 def _memory_of(slot: int, links: dict[int, tuple[int, ...]]) -> set[int]:

@@ -170,3 +170,16 @@ def test_outputs_never_share_memory_so_donating_one_leaves_the_other(case):
     bump = spmd.jit(lambda c: c.add_(1), mesh=mesh, in_shardings=(spec,), out_shardings=spec, donate_argnums=0)
     bump(first)  # writes into the donated buffer of the first output
     assert torch.equal(second.to_torch(), want)
+
+
+def test_outputs_of_one_multi_output_fusion_are_not_copied():
+    mesh = spmd.Mesh.create({"tp": 1}, devices="cpu:1")
+    f = spmd.jit(lambda x: (torch.sin(x) + 1, torch.cos(x) * 3), mesh=mesh)
+    x = torch.randn(8, 16)
+    text = f.lower(x).as_text("multi-output-fusion")
+    assert any(" = (f32[8,16], f32[8,16]) fusion(" in ln for ln in text.splitlines()), text
+    program = f.lower(x).compile().executable.program
+    assert program.output_clone == (False, False)  # separate buffers already: no copy
+    a, b = f(x)
+    assert not _storages(a) & _storages(b)
+    torch.testing.assert_close(a.to_torch(), torch.sin(x) + 1)
