@@ -133,7 +133,7 @@ def _traced_call(jitted, args: tuple, call_args: list):
 
 # functions are keyed by identity, as the jitted function itself is (what they capture is compiled in)
 _STATIC_ATOMS = (type(None), bool, int, float, complex, str, bytes, Enum, torch.dtype, torch.device, torch.layout,
-                 torch.memory_format, type(Ellipsis), types.FunctionType, types.BuiltinFunctionType)
+                 torch.memory_format, type(Ellipsis), types.FunctionType)
 STATIC_VALUES = ("None, bool, int, float, complex, str, bytes, an enum member, torch.dtype, torch.device, a "
                  "function, or a tuple / frozenset / slice / frozen dataclass of those")
 
@@ -166,6 +166,9 @@ def _static_problem(value) -> str | None:
     content and it can hold no tensor), else the type name of the (innermost) part that cannot."""
     if isinstance(value, _STATIC_ATOMS) or _is_numpy_scalar(value):
         return None
+    if isinstance(value, types.BuiltinFunctionType):  # torch.relu, math.sqrt; not a bound method such as t.mul
+        owner = value.__self__
+        return None if owner is None or isinstance(owner, types.ModuleType) else type(owner).__name__
     parts = _static_parts(value)
     if parts is None:
         return type(value).__name__

@@ -493,3 +493,5 @@ def test_a_function_is_a_static_argument():
     x = torch.randn(5)
     assert torch.equal(f(x, torch.relu).to_torch(), torch.relu(x))
     assert torch.equal(f(x, torch.tanh).to_torch(), torch.tanh(x))  # another function: another program
+    with pytest.raises(TypeError, match=r"args\[1\].*holding a Tensor"):  # its tensor would go stale
+        f(x, torch.ones(5).mul)
