@@ -107,19 +107,27 @@ def idle_gaps(fn: Callable[[], object], top: int = 10) -> tuple[float, float, li
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    evs = sorted(((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA and e.device_index == 0),
-                 key=lambda t: t[0])
+    evs = [(e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA and e.device_index == 0]
+    span, gaps = gaps_between(evs)
+    gaps.sort(key=lambda g: -g[0])
+    return span, sum(g[0] for g in gaps), [(us, before, after) for us, _, _, before, after in gaps[:top]]
+
+
+def gaps_between(kernels: list[tuple[float, float, str]]) -> tuple[float, list[tuple[float, float, float, str, str]]]:
+    """``(span, gaps)`` of ``(start, end, name)`` kernel intervals (µs) on one device, any stream: the
+    span from the first start to the last end, and each stretch inside it when no kernel ran as
+    ``(µs, start, end, kernel before, kernel after)``, in time order."""
+    evs = sorted(kernels)
     if not evs:
-        return 0.0, 0.0, []
+        return 0.0, []
     gaps, end, last = [], evs[0][1], evs[0][2]
     for s, e, name in evs[1:]:
         if s > end:
-            gaps.append((s - end, last, name))
+            gaps.append((s - end, end, s, last, name))
         if e >= end:
             end, last = e, name
-    gaps.sort(key=lambda g: -g[0])
-    return end - evs[0][0], sum(g[0] for g in gaps), gaps[:top]
+    return end - evs[0][0], gaps
 
 
 def print_idle_gaps(label: str, fn: Callable[[], object], top: int = 10) -> None:

@@ -69,21 +69,14 @@ def window_gaps(fn, calls: int, min_us: float = 20.0, top: int = 10) -> tuple[fl
             gpu.append(rng)
         elif e.name.startswith("cu"):
             host.append(rng)
-    gpu.sort()
-    if not gpu:
-        return 0.0, 0.0, []
-    gaps, end, last = [], gpu[0][1], gpu[0][2]
-    for s, e, name in gpu[1:]:
-        if s > end:
-            gaps.append((s - end, end, s, last, name))
-        if e >= end:
-            end, last = e, name
+    span, gaps = gpu_kernels.gaps_between(gpu)
+    first = min((g[0] for g in gpu), default=0.0)
     lines = []
     for us, g0, g1, before, after in sorted((g for g in gaps if g[0] >= min_us), key=lambda g: -g[0])[:top]:
         inside = sorted({h[2] for h in host if g0 <= h[1] <= g1})
-        lines.append(f"{us:8.1f} us at +{g0 - gpu[0][0]:9.1f} after {before} before {after}; host calls ending "
+        lines.append(f"{us:8.1f} us at +{g0 - first:9.1f} after {before} before {after}; host calls ending "
                      f"inside: {', '.join(inside) or 'none'}")
-    return end - gpu[0][0], sum(g[0] for g in gaps), lines
+    return span, sum(g[0] for g in gaps), lines
 
 
 def clocks_under_load(fn, seconds: float = 3.0) -> str:

@@ -10,14 +10,23 @@ import os
 
 import torch
 
-__all__ = ["save_state", "load_state"]
+__all__ = ["save_state", "load_state", "check_path"]
+
+
+def check_path(path) -> str | os.PathLike:
+    """``path`` itself; TypeError naming it unless it is a str or os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike checkpoint file, got {type(path).__name__} {path!r}")
+    return path
 
 
 def save_state(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
     """Write ``tensors`` (CPU tensors of any shape / dtype) to ``path`` (safetensors format).
 
-    Raises TypeError for a non-tensor value, ValueError for an unwritable path.
+    Raises TypeError for a non-tensor value or ``path`` not a str / PathLike, ValueError for an
+    unwritable path.
     """
+    check_path(path)
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -33,8 +42,9 @@ def save_state(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
 def load_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read a file written by ``save_state``; returns ``{name: CPU tensor}``.
 
-    Raises ValueError for a missing or unreadable file.
+    Raises TypeError for ``path`` not a str / PathLike, ValueError for a missing or unreadable file.
     """
+    check_path(path)
     from safetensors.torch import load_file
 
     try:

@@ -30,7 +30,7 @@ from spmd.parallelize import _activation_hooks
 from spmd.passes.pipeline import CompileOptions
 from spmd.sharding import NamedSharding, PartitionSpec, check_spec
 from spmd.train.optim import Optimizer, check_hyper, clip_grad_norm
-from spmd.train.state import load_state, save_state
+from spmd.train.state import check_path, load_state, save_state
 
 __all__ = ["TrainStep", "make_train_step", "grad_step_fn"]
 
@@ -335,7 +335,7 @@ class TrainStep:
         Raises TypeError for ``path`` not a str / PathLike, ValueError for an unwritable path
         (and what ``state_dict`` raises).
         """
-        path = _check_path(path)  # before copying the state to the host
+        check_path(path)  # before copying the state to the host
         save_state(self.state_dict(), path)
 
     def load(self, path: str | os.PathLike) -> None:
@@ -344,7 +344,7 @@ class TrainStep:
         Raises TypeError for ``path`` not a str / PathLike, ValueError for a missing or
         unreadable file (and what ``load_state_dict`` raises).
         """
-        self.load_state_dict(load_state(_check_path(path)))
+        self.load_state_dict(load_state(path))
 
 
 class _null:
@@ -353,12 +353,6 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-def _check_path(path):
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path: expected a str or os.PathLike checkpoint file, got {type(path).__name__} {path!r}")
-    return path
 
 
 def _zeros_like(x: ShardedArray) -> ShardedArray:
