@@ -37,6 +37,7 @@ import argparse
 import signal
 import statistics
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -196,6 +197,8 @@ def bench_batch(args, batch: int, device: str, log) -> list[dict]:
             if r >= warm:
                 runs[name].append(res)
             log(f"batch {batch} round {r}: {name} ttft {res[0] * 1e3:.1f} ms, decode {res[1]:.3f} s")
+            if _STOP.is_set():
+                raise TimeBoxEnded
     if args.profile and device.startswith("cuda"):
         from benchmarks.gpu_kernels import print_kernels
 
@@ -278,8 +281,23 @@ class TimeBoxEnded(BaseException):  # not caught by the per-variant error handli
     """SIGTERM arrived (the stage's time box ended): write the finished batches and stop."""
 
 
+_STOP = threading.Event()  # set with the SIGTERM, in case a library swallowed the exception
+
+
 def _time_box_ended(signum, frame):
+    _STOP.set()
     raise TimeBoxEnded
+
+
+def _print_decisions(log, seen: list[int]) -> None:
+    """The timed kernel choices (skinny products, attention) made since the last call."""
+    from spmd.runtime.kernels_attention import DECISIONS as ATTENTION_DECISIONS
+    from spmd.runtime.kernels_gemv import DECISIONS
+
+    for k, ds in enumerate((DECISIONS, ATTENTION_DECISIONS)):
+        for d in ds[seen[k]:]:
+            log(d.summary() if k == 0 else d.line())
+        seen[k] = len(ds)
 
 
 def main(argv=None) -> int:
@@ -288,11 +306,13 @@ def main(argv=None) -> int:
     log = lambda msg: print(f"[decode] {msg}", flush=True)  # noqa: E731
     records, cut = [], None
     previous = signal.signal(signal.SIGTERM, _time_box_ended)  # run_gpu.sh's `timeout` sends SIGTERM
+    seen = [0, 0]
     try:
         for batch in args.batch:
             records += bench_batch(args, batch, device, log)
             for row in table_rows([r for r in records if r["batch"] == batch]):
                 log(" | ".join(row))
+            _print_decisions(log, seen)
     except TimeBoxEnded:
         cut = f"The time box ended during batch {batch}: the rows are the batches finished before it."
         log(cut)
@@ -304,12 +324,7 @@ def main(argv=None) -> int:
              f"after {args.warmup_rounds} untimed")
     rows = table_rows(records)
     reporting.print_table(title, HEADERS, rows)
-    from spmd.runtime.kernels_gemv import DECISIONS
-    for d in DECISIONS:  # the timed kernel choice of each skinny product shape
-        log(d.summary())
-    from spmd.runtime.kernels_attention import DECISIONS as ATTENTION_DECISIONS
-    for d in ATTENTION_DECISIONS:  # the timed attention backend choice of each shape
-        log(d.line())
+    _print_decisions(log, seen)
     for r in records:
         if r.get("error"):
             print(f"  batch {r['batch']} {r['variant']}: {r['error']}")

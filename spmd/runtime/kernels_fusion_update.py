@@ -152,15 +152,23 @@ def _op_by_op(plan: _Plan, writers: list, ops: list[Tensor], dests: list) -> lis
 
 
 def _generated(plan: _Plan, structure: tuple, ops: list[Tensor], dests: list) -> list[Tensor] | None:
-    """The fusion through one Inductor-generated kernel, or None where it cannot be used here."""
+    """The fusion through one Inductor-generated kernel, or None where it cannot be used here.
+
+    A value output without a destination is an output of the generated graph (stored by the
+    kernel that computes it), not a copy into fresh memory: Inductor ran such a copy as a kernel
+    of its own (the rotary embedding of q in a decode step, on an H200)."""
     device = ops[0].device
     buffers = {b for b in plan.buffers if b >= 0}
-    outs = [d if d is not None else (_fresh(r, device) if b < 0 else
-                                     torch.empty_like(ops[b], memory_format=torch.contiguous_format))
-            for d, b, r in zip(dests, plan.buffers, plan.roots, strict=True)]
+    fresh = tuple(i for i, (d, b) in enumerate(zip(dests, plan.buffers, strict=True)) if d is None and b < 0)
+    outs = [None if i in fresh else d if d is not None else
+            torch.empty_like(ops[b], memory_format=torch.contiguous_format)
+            for i, (d, b) in enumerate(zip(dests, plan.buffers, strict=True))]
+    given = [d for d in outs if d is not None]
     others = [t for k, t in enumerate(ops) if k not in buffers]
     for i, (d, b) in enumerate(zip(outs, plan.buffers, strict=True)):
-        if d.device != device or _overlaps(d, others) or _overlaps(d, outs[:i]):
+        if d is None:
+            continue
+        if d.device != device or _overlaps(d, others) or _overlaps(d, [o for o in outs[:i] if o is not None]):
             return None
         if b >= 0 and not _same_view(ops[b], d) and _overlaps(d, [ops[b]]):
             return None
@@ -168,66 +176,76 @@ def _generated(plan: _Plan, structure: tuple, ops: list[Tensor], dests: list) ->
             return None
     if any(t.device != device for t in others):
         return None  # host start indices: the unfused writer narrows on the host values
-    writer = _compile(plan, structure, ops, outs)
+    writer = _compile(plan, structure, ops, outs, fresh)
     if writer is None:
         return None
     for d, b in zip(outs, plan.buffers, strict=True):
-        if b >= 0 and not _same_view(ops[b], d):
+        if d is not None and b >= 0 and not _same_view(ops[b], d):
             d.copy_(ops[b])
-    writer(*others, *outs)
+    for i, t in zip(fresh, writer(*others, *given), strict=True):
+        outs[i] = t
     return outs
 
 
-def _compile(plan: _Plan, structure: tuple, ops: list[Tensor], outs: list[Tensor]) -> Callable | None:
+def _compile(plan: _Plan, structure: tuple, ops: list[Tensor], outs: list[Tensor | None],
+             fresh: tuple[int, ...]) -> Callable | None:
     buffers = {b for b in plan.buffers if b >= 0}
     others = [t for k, t in enumerate(ops) if k not in buffers]
-    key = ("update-into", structure, str(ops[0].device),
-           *((tuple(t.shape), t.stride(), t.dtype) for t in [*others, *outs]))
-    return _cached_compile(key, lambda: _inductor(plan, ops, outs), None)
+    key = ("update-into", structure, str(ops[0].device), fresh,
+           *((tuple(t.shape), t.stride(), t.dtype) for t in [*others, *(o for o in outs if o is not None)]))
+    return _cached_compile(key, lambda: _inductor(plan, ops, outs, fresh), None)
 
 
-def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor]) -> Callable:
-    """The traced and compiled ``write(*other operands, *dests)``; checked once on copies."""
+def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor | None], fresh: tuple[int, ...]) -> Callable:
+    """The traced and compiled ``write(*other operands, *given dests) -> fresh values``; checked
+    once on copies. ``outs[i]`` is None for the outputs in ``fresh`` (values the graph returns)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     buffers = {b for b in plan.buffers if b >= 0}
     positions = [k for k in range(len(ops)) if k not in buffers]
-    n = len(outs)
+    given = [i for i in range(len(outs)) if i not in fresh]
 
     def write(*args: Tensor) -> tuple[Tensor, ...]:
         full: list = [None] * len(ops)
-        for k, t in zip(positions, args[:-n], strict=True):
+        for k, t in zip(positions, args[:len(positions)], strict=True):
             full[k] = t
-        dests = args[-n:]
-        for b, d in zip(plan.buffers, dests, strict=True):
+        dest = dict(zip(given, args[len(positions):], strict=True))
+        for i, b in enumerate(plan.buffers):
             if b >= 0:
-                full[b] = d  # never read by the body (exclusive buffers)
-        for d, b, moving, vs in zip(dests, plan.buffers, plan.moving, plan.values(full), strict=True):
-            _store(d, b, moving, vs)
-        return tuple(dests)
+                full[b] = dest[i]  # never read by the body (exclusive buffers)
+        made = []
+        for i, (b, moving, vs) in enumerate(zip(plan.buffers, plan.moving, plan.values(full), strict=True)):
+            if i in dest:
+                _store(dest[i], b, moving, vs)
+            else:
+                made.append(vs[0].clone(memory_format=torch.contiguous_format))
+        return tuple(made)
 
     others = [ops[k] for k in positions]
     with torch.no_grad():
-        want = [ops[b].clone() if b >= 0 else torch.empty_like(d) for d, b in zip(outs, plan.buffers, strict=True)]
+        want = [ops[b].clone() if b >= 0 else torch.empty(r.shape.dims, dtype=r.shape.torch_dtype, device=ops[0].device)
+                for r, b in zip(plan.roots, plan.buffers, strict=True)]
         for d, b, moving, vs in zip(want, plan.buffers, plan.moving, plan.values(ops), strict=True):
             _store(d, b, moving, [v.clone() for v in vs])
-        scratch = [torch.empty_strided(d.shape, d.stride(), dtype=d.dtype, device=d.device) for d in outs]
-        for t, b in zip(scratch, plan.buffers, strict=True):
-            if b >= 0:
-                t.copy_(ops[b])
+        scratch = [torch.empty_strided(outs[i].shape, outs[i].stride(), dtype=outs[i].dtype, device=outs[i].device)
+                   for i in given]
+        for t, i in zip(scratch, given, strict=True):
+            if plan.buffers[i] >= 0:
+                t.copy_(ops[plan.buffers[i]])
         gm = make_fx(write)(*others, *[s.clone() for s in scratch])
         kernels = _generated_kernels()
         compiled = torch._inductor.compile(gm, [*others, *scratch], options=_options())
         kernels = _generated_kernels() - kernels
-        compiled(*others, *scratch)
-    for got, w in zip(scratch, want, strict=True):
-        if not torch.allclose(got.double(), w.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
+        made = compiled(*others, *scratch)
+    got = dict(zip(given, scratch, strict=True)) | dict(zip(fresh, made, strict=True))
+    for i, w in enumerate(want):
+        if not torch.allclose(got[i].double(), w.double(), rtol=1e-2, atol=1e-2, equal_nan=True):
             raise RuntimeError("compiled update fusion wrote other values")
     metrics.counter("fusion.update.compiled").inc()
     metrics.counter("fusion.update.kernels").inc(kernels)
 
-    def run(*args: Tensor) -> None:
-        compiled(*args)
+    def run(*args: Tensor) -> tuple[Tensor, ...]:
+        return tuple(compiled(*args))
     return run
 
 

@@ -65,15 +65,16 @@ def _fallbacks() -> int:
 
 
 def _generated_decode_matches_eager(device: str, kv_heads: int, max_seq: int,
-                                    prefill_len: int = 4) -> tuple[int, int]:
+                                    prefill_len: int = 4, **model: object) -> tuple[int, int]:
     """Greedy tokens and caches of generated update kernels equal eager PyTorch; returns (update
     fusions compiled, kernels Inductor generated for them). ``max_seq``: a cache length no other
-    test uses, so that the kernels are compiled here."""
+    test uses, so that the kernels are compiled here; ``model``: ``llama_lm`` arguments (default:
+    the small shape)."""
     from spmd.generation import Generator
     from spmd.generation.reference import reference_generate
     from spmd.models.llama_lm import llama_lm
 
-    model = llama_lm(small=True, seed=4, device=f"{device}:0", num_kv_heads=kv_heads)
+    model = llama_lm(**({"small": True} | model), seed=4, device=f"{device}:0", num_kv_heads=kv_heads)
     gen = Generator(model, spmd.Mesh.create(("tp",), devices=f"{device}:1"), max_batch=2, max_seq=max_seq,
                     prefill_len=prefill_len)
     prompts = [[5, 17, 3], [11]] if prefill_len >= 3 else [[5], [11]]
@@ -112,4 +113,17 @@ def test_generated_kernel_on_gpu_is_one_triton_kernel_and_equals_eager(monkeypat
     # one-token prompts: the prefill writes one row as the decode step does (a longer prefill may
     # take a second kernel for q's transposed rows)
     compiled, kernels = _generated_decode_matches_eager("cuda", kv_heads, max_seq=18 + kv_heads, prefill_len=1)
+    assert compiled >= 2 and kernels == compiled, (compiled, kernels)
+
+
+@pytest.mark.gpu
+def test_generated_kernel_at_llama2_7b_layer_shapes_is_one_triton_kernel(monkeypatch):
+    """At Llama-2-7B's layer shapes (32 heads of 128; one layer, a small vocabulary) q's rotary is
+    stored by the kernel that writes the caches: as a copy into fresh memory Inductor made it a
+    kernel of its own (two kernels per layer and step on an H200)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    compiled, kernels = _generated_decode_matches_eager("cuda", 32, max_seq=25, prefill_len=1, layers=1,
+                                                        vocab_size=512)
     assert compiled >= 2 and kernels == compiled, (compiled, kernels)
