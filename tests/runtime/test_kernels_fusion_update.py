@@ -124,6 +124,6 @@ def test_generated_kernel_at_llama2_7b_layer_shapes_is_one_triton_kernel(monkeyp
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    compiled, kernels = _generated_decode_matches_eager("cuda", 32, max_seq=25, prefill_len=1, layers=1,
-                                                        vocab_size=512)
+    compiled, kernels = _generated_decode_matches_eager("cuda", 32, max_seq=25, prefill_len=1, small=False,
+                                                        layers=1, vocab_size=512)
     assert compiled >= 2 and kernels == compiled, (compiled, kernels)
