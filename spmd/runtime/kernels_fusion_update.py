@@ -15,7 +15,8 @@ every store are traced with ``make_fx`` into ``dest_i.index_copy_(dim, rows_i, u
 ``index_put_`` where several dims move; ``dest_i.copy_(value_i)`` for a value) on mutated graph
 inputs and compiled by PyTorch Inductor:
 one Triton kernel over the update's elements with one store per output (XLA's in-place
-dynamic-update-slice loop fusion). It is checked once against the op-by-op result (each kernel
+dynamic-update-slice loop fusion); a value output without a destination is returned by the graph,
+and the kernel launches with programmatic dependent launch where spmd's Triton kernels do. It is checked once against the op-by-op result (each kernel
 compiled counts ``fusion.update.compiled`` and the kernels Inductor generated for it
 ``fusion.update.kernels``, 0 for a graph from Inductor's cache; a failure
 ``fusion.fallback.<exception type>``). Elsewhere,
@@ -191,14 +192,17 @@ def _compile(plan: _Plan, structure: tuple, ops: list[Tensor], outs: list[Tensor
              fresh: tuple[int, ...]) -> Callable | None:
     buffers = {b for b in plan.buffers if b >= 0}
     others = [t for k, t in enumerate(ops) if k not in buffers]
-    key = ("update-into", structure, str(ops[0].device), fresh,
+    pdl = ops[0].is_cuda and _pdl(ops[0].device)
+    key = ("update-into", structure, str(ops[0].device), fresh, pdl,
            *((tuple(t.shape), t.stride(), t.dtype) for t in [*others, *(o for o in outs if o is not None)]))
-    return _cached_compile(key, lambda: _inductor(plan, ops, outs, fresh), None)
+    return _cached_compile(key, lambda: _inductor(plan, ops, outs, fresh, pdl), None)
 
 
-def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor | None], fresh: tuple[int, ...]) -> Callable:
+def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor | None], fresh: tuple[int, ...],
+              pdl: bool = False) -> Callable:
     """The traced and compiled ``write(*other operands, *given dests) -> fresh values``; checked
-    once on copies. ``outs[i]`` is None for the outputs in ``fresh`` (values the graph returns)."""
+    once on copies. ``outs[i]`` is None for the outputs in ``fresh`` (values the graph returns);
+    ``pdl``: see ``_options``."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     buffers = {b for b in plan.buffers if b >= 0}
@@ -234,7 +238,7 @@ def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor | None], fresh: 
                 t.copy_(ops[plan.buffers[i]])
         gm = make_fx(write)(*others, *[s.clone() for s in scratch])
         kernels = _generated_kernels()
-        compiled = torch._inductor.compile(gm, [*others, *scratch], options=_options())
+        compiled = torch._inductor.compile(gm, [*others, *scratch], options=_options(pdl))
         kernels = _generated_kernels() - kernels
         made = compiled(*others, *scratch)
     got = dict(zip(given, scratch, strict=True)) | dict(zip(fresh, made, strict=True))
@@ -256,16 +260,32 @@ def _generated_kernels() -> int:
     return int(getattr(inductor_metrics, "generated_kernel_count", 0))
 
 
-def _options() -> dict:
+def _options(pdl: bool = False) -> dict:
     """Inductor options of the update kernel: ``_INDUCTOR_OPTIONS``, and every store fused into one
     loop. Inductor fuses two pointwise nodes only when they read common data
     (``score_fusion_memory_threshold``); the k and v cache writes share no read but the position
-    (a scalar read counts for nothing), so they would be two kernels. Options this torch lacks are
-    left out."""
+    (a scalar read counts for nothing), so they would be two kernels. ``pdl``: the kernel launches
+    with programmatic dependent launch (Inductor's ``triton.enable_pdl``: it waits for the previous
+    kernel before its first load), as spmd's own Triton kernels of a decode step do
+    (``spmd.runtime.triton_pdl``), so the chain of a layer's kernels is not broken here. Options
+    this torch lacks are left out."""
     import torch._inductor.config as config
 
     wanted = {"aggressive_fusion": True, "score_fusion_memory_threshold": 0}
-    return {**_INDUCTOR_OPTIONS, **{k: v for k, v in wanted.items() if hasattr(config, k)}}
+    options = {**_INDUCTOR_OPTIONS, **{k: v for k, v in wanted.items() if hasattr(config, k)}}
+    if pdl and hasattr(config.triton, "enable_pdl"):
+        options["triton.enable_pdl"] = True
+    return options
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether the update kernel on ``device`` uses PDL: ``triton_pdl.enabled`` for a one-wave launch
+    (the kernel stores one token's rows); False where Triton is missing."""
+    try:
+        from spmd.runtime import triton_pdl
+    except ImportError:
+        return False
+    return triton_pdl.enabled(device, 1)
 
 
 def _store(dest: Tensor, buffer: int, moving: tuple[int, ...], vs: list[Tensor]) -> None:

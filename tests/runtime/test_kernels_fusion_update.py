@@ -127,3 +127,15 @@ def test_generated_kernel_at_llama2_7b_layer_shapes_is_one_triton_kernel(monkeyp
     compiled, kernels = _generated_decode_matches_eager("cuda", 32, max_seq=25, prefill_len=1, small=False,
                                                         layers=1, vocab_size=512)
     assert compiled >= 2 and kernels == compiled, (compiled, kernels)
+
+
+def test_generated_update_kernel_options_ask_inductor_for_pdl_only_when_spmd_uses_it():
+    import torch._inductor.config as inductor_config
+
+    from spmd.runtime import kernels_fusion_update as kfu
+
+    assert "triton.enable_pdl" not in kfu._options(False)
+    assert kfu._options(True).get("triton.enable_pdl") is (True if hasattr(inductor_config.triton, "enable_pdl")
+                                                         else None)
+    assert kfu._options(True)["score_fusion_memory_threshold"] == 0
+    assert not kfu._pdl(torch.device("cpu"))
