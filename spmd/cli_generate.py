@@ -10,8 +10,6 @@ CUDA graphs on GPUs); the timed generation then waits for every token to record 
 
 from __future__ import annotations
 
-import math
-import os
 import re
 
 import torch
@@ -74,36 +72,13 @@ def _check(args) -> None:
         _error(f"--prompt-len: expected >= 1, got {args.prompt_len}")
 
 
-def _available_bytes(device: str) -> int:
-    """Free memory of the first GPU (cuda), or of the host (cpu: psutil's available, else the physical total)."""
-    if device == "cuda":
-        return torch.cuda.mem_get_info(0)[0]
-    try:
-        import psutil  # noqa: PLC0415
-
-        return psutil.virtual_memory().available
-    except ImportError:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _check_prefill_memory(args, cfg, axes: dict, prompt_len: int, max_seq: int) -> None:
-    """ValueError naming --prompt-len when the prefill program cannot fit in memory (checked before it compiles).
-
-    Per device, the prefill holds its attention scores and mask over the whole cache, float32 [batch / dp, 1,
-    prompt_len, max_seq], about twice (measured on CPU: the heads' scores are never all materialised at
-    once), plus activations [batch / dp, prompt_len, 4 x hidden + 3 x ffn]. A mesh's virtual CPU devices
-    share the host's memory, so on CPU the devices' needs add up.
-    """
-    b = -(-args.batch // axes.get("dp", 1))
-    acts = b * prompt_len * (4 * cfg.hidden_size + 3 * cfg.ffn_size) * 4
-    n = math.prod(axes.values()) if args.device == "cpu" else 1
-    need, have = n * (2 * b * prompt_len * max_seq * 4 + acts), _available_bytes(args.device)
-    if need > have:
-        where = "each GPU" if args.device == "cuda" else f"each of {n} virtual CPU devices" if n > 1 else "the host"
-        _error(f"--prompt-len: a prefill of {prompt_len} tokens needs about {need / 2**30:,.1f} GiB (attention "
-               f"scores and mask float32 [{b}, 1, {prompt_len}, {max_seq}] twice on {where}, plus activations), "
-               f"more than the {have / 2**30:,.1f} GiB available; expected a shorter --prompt-len (or a smaller "
-               f"--batch / --max-new-tokens{', or fewer --mesh devices' if n > 1 else ''})")
+def _prefill_error(message: str) -> str:
+    """The Generator's prefill-memory error (``checks.check_prefill_memory``) in the command's flags."""
+    for arg, flag in (("a shorter prefill_len", "a shorter --prompt-len"),
+                      ("max_batch / max_seq", "--batch / --max-new-tokens"),
+                      ("fewer mesh devices", "fewer --mesh devices")):
+        message = message.replace(arg, flag)
+    return "--prompt-len" + message[len("prefill_len"):]
 
 
 def cmd_generate(args, console: Console, make_mesh, parse_mesh) -> int:
@@ -132,10 +107,11 @@ def cmd_generate(args, console: Console, make_mesh, parse_mesh) -> int:
         gen = Generator(model, mesh, max_batch=args.batch, max_seq=max_seq, prefill_len=prompt_len,
                         options=CompileOptions(dump_dir=args.dump, small_all_reduce=args.small_all_reduce))
     except ValueError as e:
+        if str(e).startswith("prefill_len: a prefill"):
+            _error(_prefill_error(str(e)))
         if "KV cache" not in str(e):
             raise
         _error(f"--batch {args.batch}, --prompt-len {prompt_len}, --max-new-tokens {args.max_new_tokens}: {e}")
-    _check_prefill_memory(args, cfg, axes, prompt_len, max_seq)
     prompts = torch.randint(0, cfg.vocab_size, (args.batch, prompt_len),
                             generator=torch.Generator().manual_seed(args.seed)).tolist()
     console.print(f"[bold]{args.model}[/]{' (small)' if args.small else ''}: {cfg.num_layers} layers, hidden "

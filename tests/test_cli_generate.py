@@ -1,6 +1,7 @@
 """``spmd generate`` on virtual CPU devices: the report and bad flags."""
 
 import pytest
+import torch
 
 from spmd import metrics
 from spmd.cli import main
@@ -46,9 +47,9 @@ def test_bad_flags_are_one_line_errors(capsys, args, expected):
 
 def test_prefill_too_large_for_memory_fails_before_compiling(capsys, monkeypatch):
     # was: 65 s, ~20 GB, then a raw "DefaultCPUAllocator: can't allocate memory" (--prompt-len 100000)
-    from spmd import cli_generate
+    from spmd.generation import checks
 
-    monkeypatch.setattr(cli_generate, "_available_bytes", lambda device: 64 * 2**20)
+    monkeypatch.setattr(checks, "available_bytes", lambda device: 64 * 2**20)
     before = metrics.counter("compile_cache.miss").value
     args = ["generate", "--small", "--device", "cpu", "--max-new-tokens", "2"]
     assert main([*args, "--prompt-len", "2048", "--mesh", "tp=2"]) == 2
@@ -62,6 +63,6 @@ def test_prefill_too_large_for_memory_fails_before_compiling(capsys, monkeypatch
 
 
 def test_available_bytes_of_the_host_is_positive():
-    from spmd import cli_generate
+    from spmd.generation import checks
 
-    assert cli_generate._available_bytes("cpu") > 2**20
+    assert checks.available_bytes(torch.device("cpu")) > 2**20

@@ -30,7 +30,7 @@ import torch
 
 from spmd import metrics
 from spmd.array import device_put
-from spmd.generation.checks import positive_int
+from spmd.generation.checks import check_prefill_memory, positive_int
 from spmd.generation.placement import place_params
 from spmd.generation.sampling import Sampling, initial_rng_state, sample
 from spmd.jit import jit
@@ -143,7 +143,8 @@ class Generator:
     Raises:
       TypeError: model, mesh or options of the wrong type, sizes that are not ints (numpy integers
         are ints). ValueError: sizes < 1, prefill_len > max_seq,
-        a KV cache too large to allocate, a mesh axis other than dp / tp of size > 1, or a plan
+        a KV cache too large to allocate, a prefill too large for the memory available (naming
+        prefill_len), a mesh axis other than dp / tp of size > 1, or a plan
         that does not fit the mesh (see ``llama_lm_plan``).
     """
 
@@ -171,6 +172,8 @@ class Generator:
         cfg = model.config
         self.dp, tp = _axis(mesh, "dp"), _axis(mesh, "tp")
         tp_size = mesh.axis_size(tp) if tp else 1
+        zeros = _zeros_cache(model, max_batch, max_seq)  # first: a cache that cannot be allocated is named as such
+        check_prefill_memory(mesh, cfg.hidden_size, cfg.ffn_size, max_batch, prefill_len, max_seq, self.dp)
         if tp:
             specs = resolve_plan(model, mesh, llama_lm_plan(cfg.num_kv_heads, tp_size, tp))
         else:
@@ -184,7 +187,6 @@ class Generator:
         self._batch = NamedSharding(mesh, PartitionSpec(self.dp))
         self._batch2 = NamedSharding(mesh, PartitionSpec(self.dp, None))
         self._repl = NamedSharding(mesh, PartitionSpec())
-        zeros = _zeros_cache(model, max_batch, max_seq)
         self.kv = tuple((device_put(zeros, self.kv_sharding), device_put(zeros, self.kv_sharding))
                         for _ in range(cfg.num_layers))
         self._programs: dict[Sampling, tuple] = {}

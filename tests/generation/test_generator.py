@@ -236,3 +236,21 @@ def test_bad_construction(model):
 def test_top_k_and_top_p_equal_eager(model, sampling):
     gen = Generator(model, _mesh(("tp",), 2), max_batch=4, max_seq=MAX_SEQ, prefill_len=PREFILL)
     _check_against_eager(model, gen, PROMPTS4, sampling)
+
+
+def test_a_prefill_too_large_for_memory_is_refused_before_anything_is_placed(monkeypatch):
+    """An API user gets the same up-front error as ``spmd generate``: naming prefill_len, expected vs
+    available memory, before the weights are placed or anything compiles (it used to be the
+    allocator's error, minutes into the prefill)."""
+    from spmd.generation import checks
+
+    monkeypatch.setattr(checks, "available_bytes", lambda device: 64 * 2**20)
+    model = llama_lm("llama2-7b", 1, small=True, seed=0)
+    mesh = spmd.Mesh.create({"dp": 2}, devices="cpu:2")
+    before = spmd.metrics.counter("compile_cache.miss").value
+    with pytest.raises(ValueError, match=r"prefill_len: a prefill of 2048 tokens needs about 0\.1 GiB .*"
+                                         r"float32 \[1, 1, 2048, 2050\] twice on each of 2 virtual CPU devices.*"
+                                         r"fewer mesh devices"):
+        Generator(model, mesh, max_batch=2, max_seq=2050, prefill_len=2048)
+    assert spmd.metrics.counter("compile_cache.miss").value == before
+    Generator(model, mesh, max_batch=2, max_seq=257, prefill_len=256)  # 2 x 256 x 257 x 4 bytes fits
