@@ -25,7 +25,8 @@
 #   TWOGEN_ARGS=..   extra options for benchmarks/two_generators.py (e.g. "--layers 8 --rounds 2")
 #   SMALLAR_ARGS=..  extra options for benchmarks/small_allreduce.py (e.g. "--sizes 4096 65536 --no-symm")
 #   FUZZ_N=400       random programs in the GPU slice of the differential tester (tests/fuzz/sweep.py)
-#   PYTEST_ARGS=...  extra options for pytest (e.g. "-k windowed")
+#   PYTEST_ARGS=...  extra options for pytest, split on spaces (e.g. "tests/runtime -x")
+#   PYTEST_K=...     a pytest -k expression, passed as one argument (e.g. "fusion_update or programmatic")
 #   INSTALL=1        `pip install --no-deps --no-build-isolation -e .` first (default: PYTHONPATH only)
 # Every stage runs under `timeout`; a failing stage is logged and the next one still runs.
 # The summary table is printed last.
@@ -117,6 +118,7 @@ env_stage() {
 tests_stage() {
   local secs=$1 extra=()
   python3 -c 'import pytest_timeout' 2>/dev/null && extra=(--timeout=120)
+  [ -n "${PYTEST_K:-}" ] && extra+=(-k "$PYTEST_K")
   # shellcheck disable=SC2086
   # -v: the log names every test that finished, also when the time box cuts the stage short;
   # --durations: the slowest tests, to keep the stage inside one device call

@@ -65,7 +65,7 @@ def _signature(fn, pointer: str, constexprs: dict) -> dict[str, str]:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = {"part_ptr": "*fp32", "count_ptr": "*i32"}.get(name, pointer)
+            sig[name] = "*fp32" if name == "part_ptr" else pointer
         else:
             sig[name] = "fp32" if name == "scale" else "i32"
     return sig
@@ -88,12 +88,10 @@ def main(argv=None) -> int:
         regs, smem = resources(tsa._attention, _signature(tsa._attention, "*bf16", consts), consts, warps, args.arch)
         print(f"short-seq:{m}x{warps} (bf16, 128 keys, D 32): {regs} registers, {smem} B shared, "
               f"{programs_per_sm(regs, smem, warps)} programs per SM", flush=True)
-    for fused in (False, True):
-        consts = dict(HAS_MASK=True, BOOL_MASK=False, D=128, BLOCK_S=tda.BLOCK_S, PDL=True, KV_LINES=0,
-                      FUSED=fused, SPLITS_POW2=8)
-        regs, smem = resources(tda._partial, _signature(tda._partial, "*bf16", consts), consts, 4, args.arch)
-        print(f"split-kv partial{' with the merge (fused)' if fused else ''} (bf16, D 128): {regs} registers, "
-              f"{smem} B shared, {programs_per_sm(regs, smem, 4)} programs per SM", flush=True)
+    consts = dict(HAS_MASK=True, BOOL_MASK=False, D=128, BLOCK_S=tda.BLOCK_S, PDL=False, KV_LINES=0)
+    regs, smem = resources(tda._partial, _signature(tda._partial, "*bf16", consts), consts, 4, args.arch)
+    print(f"split-kv partial (bf16, D 128): {regs} registers, {smem} B shared, "
+          f"{programs_per_sm(regs, smem, 4)} programs per SM", flush=True)
     return 0
 
 

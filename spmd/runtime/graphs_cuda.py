@@ -53,7 +53,6 @@ from typing import Any
 import torch
 
 from spmd.compile_lock import CAPTURE_LOCK
-from spmd.runtime import semaphores
 from spmd.runtime import streams as st
 from spmd.runtime.graphs_cuda_split import capture_split, issue_split, issue_steps, launch_split, splittable
 from spmd.runtime.graphs_donation import call_views, donor_views
@@ -91,7 +90,6 @@ class CudaCaptured:
     events: list[Any] = field(default_factory=list)
     device_graphs: list[Any] = field(default_factory=list)  # one per device (graphs_cuda_split)
     aliased: frozenset[int] = frozenset()
-    counters: list[Tensor] = field(default_factory=list)  # zeroed counters of its kernels (``semaphores``)
 
     def replay(self) -> None:
         """Launch the graph(s), each on the current stream of its capture device."""
@@ -104,7 +102,6 @@ class CudaCaptured:
             g.reset()
         self.outputs = []
         self.events = []
-        self.counters = []
 
 
 @dataclass(eq=False)
@@ -196,10 +193,8 @@ class CudaGraphBackend:
         return captured
 
     def _capture(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int]) -> CudaCaptured:
-        with CAPTURE_LOCK, semaphores.capture_scope() as counters:  # no device-wide sync from another thread
-            captured = self._capture_locked(program, steps, call, foreign)
-        captured.counters = counters
-        return captured
+        with CAPTURE_LOCK:  # no device-wide synchronisation from another thread meanwhile
+            return self._capture_locked(program, steps, call, foreign)
 
     def _capture_locked(self, program: Any, steps: list, call: _CaptureCall, foreign: set[int]) -> CudaCaptured:
         ex = self.ex

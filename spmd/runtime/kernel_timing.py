@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from spmd.compile_lock import CAPTURE_LOCK
-from spmd.runtime import semaphores
 
 L2_FLUSH_BYTES = 256 * 2**20
 
@@ -31,10 +30,8 @@ def capture_each(calls: Sequence[Callable[[], object]], device: torch.device) ->
         torch.cuda.synchronize(device)
         g = torch.cuda.CUDAGraph()
         try:
-            capture = torch.cuda.graph(g, stream=side, capture_error_mode="thread_local")
-            with semaphores.capture_scope() as held, capture:
+            with torch.cuda.graph(g, stream=side, capture_error_mode="thread_local"):
                 call()
-            g.spmd_counters = held  # zeroed counters the graph's kernels use (spmd.runtime.semaphores)
             graphs.append(g)
         except Exception:  # noqa: BLE001 - a candidate that cannot be captured is not a candidate
             torch.cuda.set_stream(caller)  # a failed capture_end skips torch.cuda.graph's stream restore

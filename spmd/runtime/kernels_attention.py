@@ -15,8 +15,7 @@ inputs and keeps the fastest (the gemv choice, ``spmd.runtime.kernels_gemv``, do
   Triton is installed, two kernels of spmd's own: for a decode step's attention (one query per
   sequence, 16-bit) ``split-kv``, the flash-decoding kernel of
   ``spmd.runtime.triton_decode_attention`` (SDPA's kernels run one program per (batch, head)
-  there: 32 at batch 1 for Llama-2-7B), and ``split-kv-fused``, the same with its key ranges
-  merged in the same launch, and for at most ``MAX_KEYS`` keys ``short-seq``, the
+  there: 32 at batch 1 for Llama-2-7B), and for at most ``MAX_KEYS`` keys ``short-seq``, the
   one-pass kernel of ``spmd.runtime.triton_short_attention`` (an encoder's 128-token attention
   with heads of 32, where SDPA's kernels run far from the memory floor); one that
   raises for these inputs (no kernel for the dtype, head dim, mask or layout) is skipped, and so
@@ -41,7 +40,7 @@ attention at once never see each other's flags.
 CPU tensors, tensors under a tracing / fake-tensor dispatch mode, inputs that need gradients and
 non-4-d inputs run ``F.scaled_dot_product_attention`` as before. ``SPMD_ATTENTION_CHOICE``:
 ``auto`` (default: timing as above), ``default`` (PyTorch's heuristic everywhere, no timing) or a
-backend name in ``BACKENDS``, ``split-kv``, ``split-kv-fused`` or ``short-seq`` (that backend wherever it accepts the
+backend name in ``BACKENDS``, ``split-kv`` or ``short-seq`` (that backend wherever it accepts the
 inputs, else the default; counted in ``attention.forced_unavailable``) for measurements. Any other value is a ValueError
 naming the variable. ``override_mode(mode)`` sets the mode for one thread (a same-run A/B).
 """
@@ -75,9 +74,8 @@ BACKENDS: dict[str, SDPBackend] = {
     "math": SDPBackend.MATH,
 }
 SPLIT_KV = "split-kv"  # spmd.runtime.triton_decode_attention: one query per sequence, keys split over programs
-SPLIT_KV_FUSED = "split-kv-fused"  # the same, the key ranges merged in the same launch
 SHORT_SEQ = "short-seq"  # spmd.runtime.triton_short_attention: every key of a (batch, head) in one block
-TRITON_KERNELS = (SPLIT_KV, SPLIT_KV_FUSED, SHORT_SEQ)
+TRITON_KERNELS = (SPLIT_KV, SHORT_SEQ)
 MODES = ("auto", "default", *BACKENDS, *TRITON_KERNELS)
 #: float32: 1e-4, tight enough that a kernel computing in TF32 (about 1e-3) is never chosen for
 #: float32 inputs, loose enough for 3xTF32 (PyTorch's memory-efficient kernel, ``short-seq``: ~1e-6)
@@ -204,10 +202,10 @@ def run_backend(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     if name.split(":")[0] in TRITON_KERNELS:
         if not _triton_eligible(name, q, k, v, mask, is_causal):
             raise RuntimeError(f"{name}: no kernel for these inputs")
-        if name in (SPLIT_KV, SPLIT_KV_FUSED):
+        if name == SPLIT_KV:
             from spmd.runtime import triton_decode_attention
 
-            return triton_decode_attention.attention(q, k, v, mask, scale, fused=name == SPLIT_KV_FUSED)
+            return triton_decode_attention.attention(q, k, v, mask, scale)
         from spmd.runtime import triton_short_attention
 
         return triton_short_attention.attention(q, k, v, mask, is_causal, scale, _short_config(name))
@@ -222,11 +220,10 @@ def _on_gpu(q: Tensor) -> bool:
 def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> bool:
     """Triton is installed and kernel ``name``'s ``eligible`` holds for these CUDA inputs (for a
     ``short-seq:MxW`` name, with that configuration among the shape's ``configs``)."""
-    split = name in (SPLIT_KV, SPLIT_KV_FUSED)
-    if not q.is_cuda or q.dim() != 4 or (split and q.shape[2] != 1):
+    if not q.is_cuda or q.dim() != 4 or (name == SPLIT_KV and q.shape[2] != 1):
         return False
     try:
-        if split:
+        if name == SPLIT_KV:
             from spmd.runtime import triton_decode_attention as kernel
         else:
             from spmd.runtime import triton_short_attention as kernel
@@ -234,7 +231,7 @@ def _triton_eligible(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | 
         return False
     if not kernel.eligible(q, k, v, mask, is_causal):
         return False
-    config = None if split else _short_config(name)
+    config = _short_config(name) if name != SPLIT_KV else None
     return config is None or config in kernel.configs(q, k, v)
 
 
@@ -252,7 +249,7 @@ def _triton_candidates(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_
     """The Triton kernels these inputs can run, ``short-seq`` once per usable configuration."""
     names: tuple[str, ...] = ()
     if _triton_eligible(SPLIT_KV, q, k, v, mask, is_causal):
-        names += (SPLIT_KV, SPLIT_KV_FUSED)
+        names += (SPLIT_KV,)
     if _triton_eligible(SHORT_SEQ, q, k, v, mask, is_causal):
         from spmd.runtime import triton_short_attention
 

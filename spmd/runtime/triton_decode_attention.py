@@ -15,14 +15,6 @@ inference", 2023; the split-K scheme of FlashInfer's and vLLM's paged-attention 
 2. ``_combine``, grid (B·Hq): rescales the ranges to their common maximum and writes
    ``Σ acc_j e^{m_j - M} / Σ l_j e^{m_j - M}`` in the query's dtype.
 
-With ``fused=True`` (the ``split-kv-fused`` candidate) step 2 runs in the same launch: each
-program of step 1 counts itself in on a counter per (batch, head) (``spmd.runtime.semaphores``:
-an atomic add with acquire-release order after a barrier of the program, the serial split-K of
-cuBLAS and CUTLASS), and the program that completes the count merges the ranges and sets the
-counter back to 0. A decode step's attention is a few MB of keys and values: two dependent
-launches cost more than the bytes. Where no counters can be had (inside a CUDA-graph capture
-spmd did not open) the two launches run.
-
 Grouped-query attention reads key / value head ``h // (Hq / Hkv)``. The mask (bool: True =
 attend; float: added to the scores) is read through its strides, so a broadcast view costs
 nothing. A range whose keys are all masked contributes nothing (its maximum stays -inf and its
@@ -35,16 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd.runtime import semaphores, triton_pdl
+from spmd.runtime import triton_pdl
 
 BLOCK_S = 64
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, out_ptr, count_ptr, S, HQ, GROUP, scale, keys_per_split,
-             sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_s, so_b, so_h,
+def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, S, HQ, GROUP, scale, keys_per_split,
+             sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_s,
              HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-             PDL: tl.constexpr, KV_LINES: tl.constexpr, FUSED: tl.constexpr, SPLITS_POW2: tl.constexpr):
+             PDL: tl.constexpr, KV_LINES: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -91,13 +83,6 @@ def _partial(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, out_ptr, count_ptr, S, HQ,
     tl.store(base + rd, acc)
     tl.store(base + D, m)
     tl.store(base + D + 1, l_sum)
-    if FUSED:  # the last range of (b, h) to finish merges them all and resets the counter
-        tl.debug_barrier()  # every thread's stores of this range before the count
-        arrived = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            _merge(part_ptr + bh * num_splits * (D + 2), out_ptr + b * so_b + h * so_h, num_splits,
-                   SPLITS_POW2, D, ".cg")
-            tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -109,26 +94,19 @@ def _combine(part_ptr, out_ptr, HQ, so_b, so_h, NUM_SPLITS: tl.constexpr, SPLITS
     bh = tl.program_id(0)
     b = bh // HQ
     h = bh % HQ
-    _merge(part_ptr + bh * NUM_SPLITS * (D + 2), out_ptr + b * so_b + h * so_h, NUM_SPLITS, SPLITS_POW2, D, "")
-
-
-@triton.jit
-def _merge(base, out_ptr, num_splits, SPLITS_POW2: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):
-    """Write ``Σ acc_j e^{m_j - M} / Σ l_j e^{m_j - M}`` of the ``num_splits`` ranges at ``base``
-    (``[num_splits, D + 2]``: acc, m, l) to ``out_ptr`` (D elements); ``CACHE`` the loads' cache
-    modifier (``.cg``: from L2, where other programs of this launch wrote the ranges)."""
     rj = tl.arange(0, SPLITS_POW2)
     rd = tl.arange(0, D)
-    ok = rj < num_splits
-    m = tl.load(base + rj * (D + 2) + D, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-    l_sum = tl.load(base + rj * (D + 2) + D + 1, mask=ok, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(base + rj[:, None] * (D + 2) + rd[None, :], mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+    ok = rj < NUM_SPLITS
+    base = part_ptr + bh * NUM_SPLITS * (D + 2)
+    m = tl.load(base + rj * (D + 2) + D, mask=ok, other=float("-inf"))
+    l_sum = tl.load(base + rj * (D + 2) + D + 1, mask=ok, other=0.0)
+    acc = tl.load(base + rj[:, None] * (D + 2) + rd[None, :], mask=ok[:, None], other=0.0)
     big = tl.max(m, axis=0)
     shift = tl.where(big == float("-inf"), 0.0, big)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - shift))
     total = tl.sum(l_sum * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # every key masked: 0
-    tl.store(out_ptr + rd, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b * so_b + h * so_h + rd, out.to(out_ptr.dtype.element_ty))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool) -> bool:
@@ -165,12 +143,11 @@ def num_splits(bh: int, keys: int, num_sms: int) -> int:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float | None, num_sms: int | None = None, fused: bool = False) -> torch.Tensor:
+              scale: float | None, num_sms: int | None = None) -> torch.Tensor:
     """``softmax(q @ k.T * scale + mask) @ v`` for ``eligible`` inputs: ``[B, Hq, 1, D]`` in q's dtype.
 
-    ``scale``: None = ``1 / sqrt(D)``; ``num_sms``: the device's SM count (None: asked of CUDA);
-    ``fused``: merge the key ranges in the same launch (see the module docstring; two launches
-    where ``semaphores.counters`` has none to give). The caller checks ``eligible``.
+    ``scale``: None = ``1 / sqrt(D)``; ``num_sms``: the device's SM count (None: asked of CUDA).
+    The caller checks ``eligible``.
     """
     b, hq, _, d = q.shape
     hkv, keys = k.shape[1], k.shape[2]
@@ -179,7 +156,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     splits = num_splits(b * hq, keys, num_sms)
     per_split = triton.cdiv(triton.cdiv(keys, splits), BLOCK_S) * BLOCK_S
     splits = triton.cdiv(keys, per_split)
-    count = semaphores.counters(q.device, b * hq) if fused else None
     part = torch.empty(b * hq, splits, d + 2, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, 1, d, dtype=q.dtype, device=q.device)
     if mask is not None:
@@ -190,15 +166,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     pdl = triton_pdl.enabled(q.device, b)
     launch = {"launch_pdl": True} if pdl else {}
     kv_lines = triton_pdl.prefetch_lines(1, 1, d * k.element_size()) if pdl else 0
-    pow2 = triton.next_power_of_2(splits)
     _partial[(b * hq, splits)](
-        q, k, v, q if mask is None else mask, part, out, part if count is None else count, keys, hq, hq // hkv,
+        q, k, v, q if mask is None else mask, part, keys, hq, hq // hkv,
         float(d ** -0.5 if scale is None else scale), per_split,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        *m_strides, out.stride(0), out.stride(1), HAS_MASK=mask is not None,
-        BOOL_MASK=mask is not None and mask.dtype == torch.uint8, D=d, BLOCK_S=BLOCK_S, PDL=pdl,
-        KV_LINES=kv_lines, FUSED=count is not None, SPLITS_POW2=pow2, num_warps=4, **launch)
-    if count is None:
-        _combine[(b * hq,)](part, out, hq, out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                            SPLITS_POW2=pow2, D=d, PDL=pdl, num_warps=4, **launch)
+        *m_strides, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
+        D=d, BLOCK_S=BLOCK_S, PDL=pdl, KV_LINES=kv_lines, num_warps=4, **launch)
+    _combine[(b * hq,)](part, out, hq, out.stride(0), out.stride(1), NUM_SPLITS=splits,
+                        SPLITS_POW2=triton.next_power_of_2(splits), D=d, PDL=pdl, num_warps=4, **launch)
     return out

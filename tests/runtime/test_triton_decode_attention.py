@@ -1,12 +1,8 @@
 """Split-KV decode attention (``spmd.runtime.triton_decode_attention``): which inputs it takes, its
 result against float64 SDPA on CUDA (GQA, key counts that are no multiple of the block, bool and
-additive masks, broadcast masks, fully masked rows), with the key ranges merged by a second launch
-or in the same one (counters left at 0, fresh in each graph, two launches inside a foreign capture),
-and its place in the timed attention choice."""
+additive masks, broadcast masks, fully masked rows), and its place in the timed attention choice."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -48,16 +44,12 @@ def _reference(q, k, v, mask):
 @pytest.mark.parametrize(("b", "hq", "hkv", "s", "d", "mask_kind"), [
     (1, 32, 32, 383, 128, "float"), (8, 32, 32, 383, 128, "float"), (2, 8, 2, 130, 64, "bool"),
     (3, 4, 4, 7, 16, "none"), (1, 4, 1, 1000, 256, "float"), (2, 6, 3, 65, 32, "bool")])
-@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
-def test_split_kv_equals_float64_sdpa(dtype, b, hq, hkv, s, d, mask_kind, fused):
-    from spmd.runtime import semaphores
+def test_split_kv_equals_float64_sdpa(dtype, b, hq, hkv, s, d, mask_kind):
     from spmd.runtime import triton_decode_attention as tda
 
     q, k, v, mask = _inputs(b, hq, hkv, s, d, dtype, mask_kind, b * s + d)
     assert tda.eligible(q, k, v, mask, False)
-    got = tda.attention(q, k, v, mask, None, fused=fused)
-    if fused:
-        assert not semaphores.counters(q.device, b * hq).any()  # every counter back at 0
+    got = tda.attention(q, k, v, mask, None)
     ref = _reference(q, k, v, mask)
     assert got.shape == ref.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=ka.TOLERANCE[dtype] * (1 + ref.abs().max().item()))
@@ -86,45 +78,3 @@ def test_a_decode_step_times_split_kv_among_the_backends():
     d = ka.decide(q, k, v, mask, False, None, candidates=key[-1])
     names = [n for n, _ in d.times_us]
     assert ka.SPLIT_KV in names, d.line()  # it ran, agreed with the float32 reference and was timed
-
-
-def _replay_matches(graph, statics, fresh, out):
-    for _ in range(3):
-        for t in statics:
-            t.copy_(torch.randn_like(t))
-        graph.replay()
-        torch.testing.assert_close(out.double(), _reference(*statics, fresh), rtol=0, atol=0.05)
-
-
-@gpu
-@needs_cuda
-def test_fused_split_kv_in_graphs_uses_fresh_counters_and_two_launches_in_a_foreign_capture():
-    from spmd.runtime import semaphores
-    from spmd.runtime import triton_decode_attention as tda
-
-    q, k, v, mask = _inputs(2, 8, 8, 383, 128, torch.bfloat16, "float", 3)
-    tda.attention(q, k, v, mask, None, fused=True)  # compiled outside the captures
-    graphs = []
-    for scoped in (True, False):
-        g = torch.cuda.CUDAGraph()
-        scope = semaphores.capture_scope() if scoped else contextlib.nullcontext([])
-        with scope as held, torch.cuda.graph(g):  # spmd's captures open a scope; a user's does not
-            inside = semaphores.counters(q.device, 16)
-            out = tda.attention(q, k, v, mask, None, fused=True)
-        assert (inside is not None) == scoped and len(held) == (2 if scoped else 0)
-        assert not any(t.any() for t in held)
-        graphs.append((g, out, held))
-    for g, out, held in graphs:
-        _replay_matches(g, (q, k, v), mask, out)
-        assert not any(t.any() for t in held)
-
-
-@gpu
-@needs_cuda
-def test_a_decode_step_times_fused_split_kv_too():
-    q, k, v, mask = _inputs(1, 32, 32, 383, 128, torch.bfloat16, "float", 2)
-    key = ka._key(q, k, v, mask, False, None)
-    d = ka.decide(q, k, v, mask, False, None, candidates=key[-1])
-    assert ka.SPLIT_KV_FUSED in [n for n, _ in d.times_us], d.line()
-    torch.testing.assert_close(ka.run_backend(ka.SPLIT_KV_FUSED, q, k, v, mask, False, None).double(),
-                               _reference(q, k, v, mask), rtol=0, atol=0.05)
