@@ -13,10 +13,10 @@ any other destination first receives a copy of operand 0.
 On CUDA (``SPMD_FUSION_COMPILER``, as ``spmd.runtime.kernels_fusion``) the update computation and
 every store are traced with ``make_fx`` into ``dest_i.index_copy_(dim, rows_i, update_i)`` (an
 ``index_put_`` where several dims move; ``dest_i.copy_(value_i)`` for a value) on mutated graph
-inputs and compiled by PyTorch Inductor:
-one Triton kernel over the update's elements with one store per output (XLA's in-place
-dynamic-update-slice loop fusion); a value output without a destination is returned by the graph,
-and the kernel launches with programmatic dependent launch where spmd's Triton kernels do. It is checked once against the op-by-op result (each kernel
+inputs and compiled by PyTorch Inductor: one Triton kernel over the update's elements with one
+store per output (XLA's in-place dynamic-update-slice loop fusion). A value output without a
+destination is returned by the graph, and the kernel launches with programmatic dependent launch
+where spmd's Triton kernels do. It is checked once against the op-by-op result (each kernel
 compiled counts ``fusion.update.compiled`` and the kernels Inductor generated for it
 ``fusion.update.kernels``, 0 for a graph from Inductor's cache; a failure
 ``fusion.fallback.<exception type>``). Elsewhere,
