@@ -73,7 +73,7 @@ def _check(args) -> None:
 
 
 def _prefill_error(message: str) -> str:
-    """The Generator's prefill-memory error (``checks.check_prefill_memory``) in the command's flags."""
+    """The Generator's prefill-memory error (``checks.check_memory``) in the command's flags."""
     for arg, flag in (("a shorter prefill_len", "a shorter --prompt-len"),
                       ("max_batch / max_seq", "--batch / --max-new-tokens"),
                       ("fewer mesh devices", "fewer --mesh devices")):

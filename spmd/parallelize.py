@@ -64,7 +64,7 @@ class ParallelModule:
             if specs is None:
                 specs = (PartitionSpec(),) * n_inputs
             elif len(specs) != n_inputs:
-                raise ValueError(f"input_shardings: expected {n_inputs} entries (one per input), got {len(specs)}")
+                raise ValueError(f"inputs: expected {len(specs)} (one per entry of input_shardings), got {n_inputs}")
             module = self.module
             fn = lambda params, *inputs: torch.func.functional_call(module, params, inputs)
             fn.__name__ = type(module).__name__

@@ -155,3 +155,14 @@ def test_sequence_parallel_blocks_match_eager(make, plan):
     text = pm.lowered.as_text("import")
     assert text.count("Sharding") >= 6  # constraints pinned on norms, colwise and rowwise outputs
     assert not any(s._forward_hooks or s._forward_pre_hooks for s in m.modules())  # hooks removed after tracing
+
+
+def test_a_call_with_another_number_of_inputs_than_input_shardings_names_the_inputs():
+    mesh = Mesh.create({"tp": 1}, devices="cpu:1")
+    pm = parallelize(torch.nn.Linear(4, 4), mesh, plans.Plan(rules=()), input_shardings=(P(),))
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"inputs: expected 1 \(one per entry of input_shardings\), got 2"):
+        pm(x, x)
+    with pytest.raises(ValueError, match=r"inputs: expected 1 \(one per entry of input_shardings\), got 0"):
+        pm()
+    torch.testing.assert_close(pm(x).to_torch(), pm.module(x))

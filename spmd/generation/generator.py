@@ -30,7 +30,7 @@ import torch
 
 from spmd import metrics
 from spmd.array import device_put
-from spmd.generation.checks import check_prefill_memory, positive_int
+from spmd.generation.checks import check_memory, positive_int
 from spmd.generation.placement import place_params
 from spmd.generation.sampling import Sampling, initial_rng_state, sample
 from spmd.jit import jit
@@ -118,6 +118,8 @@ def _check_prompt_type(i: int, p) -> None:
     elif isinstance(p, torch.Tensor):
         if p.dim() != 1:
             raise TypeError(f"prompts[{i}]: expected a 1-d tensor of token ids, got a {p.dim()}-d tensor")
+        if p.device.type == "meta":
+            raise TypeError(f"prompts[{i}]: expected a tensor of token ids with data, got a tensor on the meta device")
     elif not isinstance(p, Sequence) or isinstance(p, (str, bytes, bytearray)):
         raise TypeError(f"prompts[{i}]: expected a sequence of int token ids (a list or a 1-d int tensor), "
                         f"got {type(p).__name__}")
@@ -143,8 +145,8 @@ class Generator:
     Raises:
       TypeError: model, mesh or options of the wrong type, sizes that are not ints (numpy integers
         are ints). ValueError: sizes < 1, prefill_len > max_seq,
-        a KV cache too large to allocate, a prefill too large for the memory available (naming
-        prefill_len), a mesh axis other than dp / tp of size > 1, or a plan
+        a KV cache or a prefill too large for the memory available (naming max_batch / max_seq or
+        prefill_len: ``checks.check_memory``), a mesh axis other than dp / tp of size > 1, or a plan
         that does not fit the mesh (see ``llama_lm_plan``).
     """
 
@@ -172,8 +174,9 @@ class Generator:
         cfg = model.config
         self.dp, tp = _axis(mesh, "dp"), _axis(mesh, "tp")
         tp_size = mesh.axis_size(tp) if tp else 1
-        zeros = _zeros_cache(model, max_batch, max_seq)  # first: a cache that cannot be allocated is named as such
-        check_prefill_memory(mesh, cfg.hidden_size, cfg.ffn_size, max_batch, prefill_len, max_seq, self.dp)
+        check_memory(mesh, cfg, tuple(model.kv_shape(max_batch, max_seq)), model.lm_head.weight.dtype.itemsize,
+                     max_batch, prefill_len, max_seq, self.dp, tp)
+        zeros = _zeros_cache(model, max_batch, max_seq)
         if tp:
             specs = resolve_plan(model, mesh, llama_lm_plan(cfg.num_kv_heads, tp_size, tp))
         else:
@@ -293,7 +296,7 @@ class Generator:
           ids outside the vocabulary), ``max_new_tokens`` not an int (TypeError), < 1 or past the
           cache, ``sampling`` not a
           Sampling, a non-bool ``timing``, ``stream_every`` not an int (TypeError) or < 0,
-          ``on_tokens`` / ``progress`` not callable.
+          ``on_tokens`` / ``progress`` not callable, ``on_tokens`` with ``stream_every=0``.
           Nothing runs and the cache is untouched when an argument is rejected.
         Thread-safe: calls from several threads run one after the other (they share the cache).
         """
@@ -313,6 +316,9 @@ class Generator:
         for name, fn in (("on_tokens", on_tokens), ("progress", progress)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name}: expected a callable or None, got {type(fn).__name__}")
+        if on_tokens is not None and stream_every == 0:
+            raise ValueError("on_tokens: given with stream_every=0 (no streaming), so it would never be called; "
+                             "expected stream_every >= 1 (tokens per call) or no on_tokens")
         with self._lock:  # one generation at a time: each step donates and replaces the shared cache
             return self._generate(ids, max_new_tokens, sampling, timing, stream_every, on_tokens, progress)
 

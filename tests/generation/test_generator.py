@@ -132,6 +132,9 @@ BAD_CALLS = [
     (dict(stream_every=2.0), TypeError, "stream_every: expected an int >= 0, got float 2.0"),
     (dict(progress=5), TypeError, "progress: expected a callable"),
     (dict(stream_every=1, on_tokens="print"), TypeError, "on_tokens: expected a callable"),
+    (dict(on_tokens=print), ValueError, r"on_tokens: given with stream_every=0 \(no streaming\)"),
+    (dict(prompts=[torch.tensor([1, 2], device="meta")]), TypeError,
+     r"prompts\[0\]: expected a tensor of token ids with data, got a tensor on the meta device"),
 ]
 
 
@@ -227,7 +230,8 @@ def test_bad_construction(model):
         Generator(model, _mesh({"pp": 2, "tp": 1, "ep": 2}, 4), max_batch=1, max_seq=8, prefill_len=4)
     assert Generator(model, _mesh({"model": 1, "tp": 2}, 2), max_batch=1, max_seq=8, prefill_len=4).dp is None
     # a cache of petabytes: a ValueError naming the sizes, not the allocator's RuntimeError
-    with pytest.raises(ValueError, match=r"max_batch \(1\), max_seq \(1000000000000\): the KV cache .* cannot be"):
+    with pytest.raises(ValueError, match=r"max_batch \(1\), max_seq \(1000000000000\): the KV cache .* needs about "
+                                         r".* GiB available; expected a smaller max_batch or max_seq"):
         Generator(model, mesh, max_batch=1, max_seq=10**12, prefill_len=4)
 
 
@@ -254,3 +258,19 @@ def test_a_prefill_too_large_for_memory_is_refused_before_anything_is_placed(mon
         Generator(model, mesh, max_batch=2, max_seq=2050, prefill_len=2048)
     assert spmd.metrics.counter("compile_cache.miss").value == before
     Generator(model, mesh, max_batch=2, max_seq=257, prefill_len=256)  # 2 x 256 x 257 x 4 bytes fits
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_it_is_allocated(monkeypatch):
+    """Each cache tensor fits on its own (Linux allows the allocation), all of them do not: the
+    process used to grow until the kernel's out-of-memory killer ended it."""
+    from spmd.generation import checks
+
+    monkeypatch.setattr(checks, "available_bytes", lambda device: 8 * 2**30)
+    model = llama_lm("llama2-7b", 2, small=True, seed=0)
+    mesh = spmd.Mesh.create({"tp": 4}, devices="cpu:4")  # 2 KV heads: the cache is replicated over tp
+    with pytest.raises(ValueError, match=r"max_batch \(1\), max_seq \(50000000\): the KV cache \(2 x 2 layers x "
+                                         r"\[1, 2, 50000000, 16\], 23.8 GiB, replicated 4 times\) needs about "
+                                         r"333.8 GiB on 4 virtual CPU devices \(3.5x the cache while a step runs\), "
+                                         r"more than the 8.0 GiB available"):
+        Generator(model, mesh, max_batch=1, max_seq=50_000_000, prefill_len=16)
+    Generator(model, mesh, max_batch=1, max_seq=4096, prefill_len=16)  # 4 x 2 MiB x 4 x 3.5 fits
