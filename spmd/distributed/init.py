@@ -7,6 +7,8 @@ Under ``torchrun`` the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, `
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import math
 import os
 import socket
@@ -61,6 +63,11 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
         dist.init_process_group(backend, init_method=init_method, rank=-1 if rank is None else rank,
                                 world_size=-1 if world_size is None else world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        # A process that exits with the group alive can abort in gloo's threads during interpreter
+        # teardown ("terminate called without an active exception", pytorch/pytorch#190489): the
+        # group spmd created is destroyed at exit while the interpreter still runs (a no-op after
+        # ``shutdown``; a group the caller initialised stays theirs).
+        atexit.register(_shutdown_at_exit)
     store = dist.PrefixStore("spmd", dist.distributed_c10d._get_default_store())
     info = ProcessInfo(dist.get_rank(), dist.get_world_size(), (), timeout_s, str(dist.get_backend()))
     state = _State(info, store)
@@ -94,6 +101,15 @@ def shutdown() -> None:
     _forget_programs()
     if state is not None and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _shutdown_at_exit() -> None:
+    """``shutdown`` at interpreter exit when the run is still joined; never raises (the process is
+    ending: a group that cannot be destroyed cleanly is left to the operating system)."""
+    if st.current() is None:
+        return
+    with contextlib.suppress(Exception):  # best-effort cleanup at exit
+        shutdown()
 
 
 def _forget_programs() -> None:

@@ -73,3 +73,25 @@ def test_reduce_mode_is_checked(monkeypatch):
     monkeypatch.setenv(REDUCE_ENV, "ring")
     with pytest.raises(ValueError, match="SPMD_DISTRIBUTED_REDUCE: expected 'gather' or 'reduce', got 'ring'"):
         reduce_mode(local_is_cuda=False)
+
+
+def test_a_group_spmd_created_is_destroyed_at_exit(tmp_path):
+    """Exiting with a gloo group alive could abort in gloo's threads at interpreter teardown; the
+    group ``initialize`` created is destroyed by an exit handler (the process exits 0)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed as dist\n"
+        "from spmd.distributed import init\n"
+        f"init.initialize('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
+        "assert dist.is_initialized()\n"
+        "init._shutdown_at_exit()\n"
+        "assert not dist.is_initialized()\n"
+        "init._shutdown_at_exit()  # a second call (the registered one at exit) is a no-op\n"
+        "init.initialize('gloo', init_method='file://" + str(tmp_path) + "/store2', rank=0, world_size=1)\n"
+        "print('joined')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "joined", run.stderr[-2000:]
+    assert "terminate called" not in run.stderr
