@@ -67,7 +67,8 @@ def check_memory(mesh, cfg, kv_shape: tuple[int, ...], itemsize: int, max_batch:
     cpu = device.type == "cpu"
     n = len(mesh.devices)
     cache_need = CPU_CACHE_FACTOR * cache if cpu else cache / n
-    prefill = prefill_bytes(cfg, -(-max_batch // dp_size), prefill_len, max_seq) * (n if cpu else 1)
+    b = -(-max_batch // dp_size)  # sequences per device
+    prefill = prefill_bytes(cfg, b, prefill_len, max_seq) * (n if cpu else 1)
     have = available_bytes(device)
     where = "each GPU" if not cpu else f"{n} virtual CPU devices" if n > 1 else "the host"
     if cache_need > have:
@@ -79,7 +80,6 @@ def check_memory(mesh, cfg, kv_shape: tuple[int, ...], itemsize: int, max_batch:
             f"{f' ({CPU_CACHE_FACTOR}x the cache while a step runs)' if cpu else ''}, more than the "
             f"{have / 2**30:,.1f} GiB available; expected a smaller max_batch or max_seq")
     if cache_need + prefill > have:
-        b = -(-max_batch // dp_size)
         raise ValueError(
             f"prefill_len: a prefill of {prefill_len} tokens needs about {prefill / 2**30:,.1f} GiB (attention scores "
             f"and mask float32 [{b}, 1, {prefill_len}, {max_seq}] twice on {'each of ' if cpu and n > 1 else ''}"

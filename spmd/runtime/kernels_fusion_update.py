@@ -227,8 +227,8 @@ def _inductor(plan: _Plan, ops: list[Tensor], outs: list[Tensor | None], fresh: 
 
     others = [ops[k] for k in positions]
     with torch.no_grad():
-        want = [ops[b].clone() if b >= 0 else torch.empty(r.shape.dims, dtype=r.shape.torch_dtype, device=ops[0].device)
-                for r, b in zip(plan.roots, plan.buffers, strict=True)]
+        want = [ops[b].clone() if b >= 0 else _fresh(r, ops[0].device) for r, b in zip(plan.roots, plan.buffers,
+                                                                                          strict=True)]
         for d, b, moving, vs in zip(want, plan.buffers, plan.moving, plan.values(ops), strict=True):
             _store(d, b, moving, [v.clone() for v in vs])
         scratch = [torch.empty_strided(outs[i].shape, outs[i].stride(), dtype=outs[i].dtype, device=outs[i].device)
