@@ -7,12 +7,18 @@ Triton GEMM with the GELU in its epilogue, each a CUDA-graph replay with a cold 
 decision (each candidate's µs), the seconds the first call took (compile + autotune + timing) and
 the chosen kernel's largest error against float64.
 
-Usage: ``python3 -m benchmarks.probe.epilogue_choice [--shapes 16384x384x1536:bf16,1024x384x1536:f32]``
+``--inductor`` adds Inductor config entries to the generated candidate's (``KEY=VALUE`` pairs,
+comma-separated; values ``true``/``false``, integers or strings), e.g.
+``--inductor triton.enable_persistent_tma_matmul=true`` for the persistent TMA GEMM template.
+
+Usage: ``python3 -m benchmarks.probe.epilogue_choice [--shapes 16384x384x1536:bf16,1024x384x1536:f32]
+[--inductor KEY=VALUE,...]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,16 +63,34 @@ def probe(m: int, k: int, n: int, dtype_name: str) -> str:
     return f"{m}x{k}x{n} {dtype_name}: {line}; first call {first_s:.1f} s; max rel. error {rel:.1e}"
 
 
+def _config_pairs(text: str) -> dict[str, object]:
+    """``KEY=VALUE,...`` as a dict; ``true``/``false`` and integers converted."""
+    out: dict[str, object] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor: expected KEY=VALUE, got {item!r}")
+        low = value.lower()
+        out[key] = low == "true" if low in ("true", "false") else int(value) if value.isdigit() else value
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse ``--shapes`` and print one line per shape; exits when no CUDA GPU is present."""
     import torch
 
+    from spmd.runtime import kernels_epilogue as ke
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="16384x384x1536:bf16,1024x384x1536:f32",
                    help="comma-separated MxKxN:dtype (dtype one of bf16, f16, f32)")
+    p.add_argument("--inductor", default="", help="comma-separated KEY=VALUE Inductor config entries")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.probe.epilogue_choice needs a CUDA GPU")
+    os.environ[ke.CHOICE_ENV] = "auto"
+    ke._AUTOTUNE_OPTIONS.update(_config_pairs(args.inductor))
+    print(f"Inductor options of the candidate: {ke.autotune_options()}", flush=True)
     for item in args.shapes.split(","):
         dims, _, dt = item.partition(":")
         if dt not in DTYPES or dims.count("x") != 2:

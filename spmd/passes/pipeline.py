@@ -312,6 +312,9 @@ def run_pipeline(module: Module, options: CompileOptions, passes: list | None = 
         if p.name == "hoist-weights":
             module = _hoist(result, dataclasses.replace(p, weights=frozenset(weights)) if weights else p, module,
                             dump, index)
+        elif p.name == "merge-dots" and weights and options.hoist_weights:
+            # a concatenation of weights is hoisted (once per weight version): no size threshold
+            module = dataclasses.replace(p, weights=frozenset(weights)).run(module)
         elif p.name == "split-batch" and weights:
             module = dataclasses.replace(p, weights=frozenset(weights) | _hoisted(result, module)).run(module)
         else:

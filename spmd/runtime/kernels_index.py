@@ -88,7 +88,12 @@ def build_gather(inst: Instruction, dev=None):
         idx = idx.reshape(-1)
         if idx.dtype not in (torch.int32, torch.int64):
             idx = idx.to(torch.int64)
-        r = x.index_select(a, idx.clamp(0, limit)).reshape(tmp_dims)
+        idx = idx.clamp(0, limit)
+        if out is not None and perm_t is None and out.is_contiguous() and out.dtype == x.dtype:
+            # the rows go straight into the assigned buffer (no second pass over the result)
+            torch.index_select(x, a, idx, out=out.view(*od[:a], idx.numel(), *od[a + 1:]))
+            return out
+        r = x.index_select(a, idx).reshape(tmp_dims)
         if perm_t is not None:
             r = r.permute(perm_t)
         return _write(out, r)

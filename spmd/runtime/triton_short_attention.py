@@ -48,7 +48,7 @@ def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
                sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_s,
                sm_b, sm_h, sm_q, sm_k, D, DV,
                HAS_MASK: tl.constexpr, BOOL_MASK: tl.constexpr, MASK_ROW: tl.constexpr, CAUSAL: tl.constexpr,
-               F32: tl.constexpr,
+               F32: tl.constexpr, EVEN_N: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     bh = tl.program_id(1)
     b = bh // HQ
@@ -70,7 +70,6 @@ def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
         scores = tl.dot(q, tl.trans(k), input_precision="tf32x3")
     else:
         scores = tl.dot(q, tl.trans(k))
-    scores = scores * scale
     allowed = key_ok[None, :] & row_ok[:, None]
     if HAS_MASK:
         if MASK_ROW:  # the same keys masked for every query (a padding mask): one row
@@ -80,20 +79,25 @@ def _attention(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, SQ, SK, HQ, GROUP, scale,
                          mask=allowed, other=0)
         if BOOL_MASK:
             allowed = allowed & (mk != 0)
+            scores = scores * scale
         else:
-            scores = scores + mk.to(tl.float32)
+            scores = scores * scale + mk.to(tl.float32)  # one FMA per score
+    else:
+        scores = scores * scale
     if CAUSAL:
         allowed = allowed & (rn[None, :] <= rm[:, None])
-    scores = tl.where(allowed, scores, float("-inf"))
+    if CAUSAL or BOOL_MASK or not EVEN_N:  # keys to leave out: the block's padding keys, masked keys
+        scores = tl.where(allowed, scores, float("-inf"))
     big = tl.max(scores, axis=1)
     shift = tl.where(big == float("-inf"), 0.0, big)  # every key masked: no NaN
-    p = tl.exp(scores - shift[:, None])
+    # exp(s - max); the difference first: a mask of finfo.min times log2(e) would overflow to -inf
+    p = tl.exp2((scores - shift[:, None]) * 1.4426950408889634)
     total = tl.sum(p, axis=1)
     if F32:
         acc = tl.dot(p, v, input_precision="tf32x3")
     else:
         acc = tl.dot(p.to(v.dtype), v)
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # every key masked: 0
+    out = acc * (1.0 / tl.where(total > 0, total, 1.0))[:, None]  # one division a row; every key masked: 0
     tl.store(out_ptr + b * so_b + h * so_h + rm[:, None] * so_s + rdv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (rdv[None, :] < DV))
 
@@ -186,6 +190,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         *m_strides, d, dv, HAS_MASK=mask is not None, BOOL_MASK=mask is not None and mask.dtype == torch.uint8,
         MASK_ROW=mask is not None and (sq == 1 or mask.stride(2) == 0), CAUSAL=bool(is_causal),
-        F32=q.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=block_n,
+        F32=q.dtype == torch.float32, EVEN_N=sk == block_n, BLOCK_M=bm, BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
     return out

@@ -260,6 +260,33 @@ def test_size_threshold():
     assert _dots(mod) == 1
 
 
+def test_a_concatenation_of_hoisted_weights_has_no_size_threshold():
+    """wq and wk are weights (parameters 1, 2): their concatenation is hoisted, so q and k merge
+    past the threshold; v reads negate(wv), computed on every call, and stays under it."""
+    _, mod = _run(THREE_DOTS, max_merged_bytes=4 * 6 * 4, weights=frozenset({1, 2, 3}))
+    assert _dots(mod) == 2
+    _, mod = _run(THREE_DOTS, max_merged_bytes=4 * 6 * 4, weights=frozenset({1}))
+    assert _dots(mod) == 3  # wk is no weight here: the threshold holds
+    plain = THREE_DOTS.replace("%v = f32[4,5] dot(%x, %nv)", "%v = f32[4,5] dot(%x, %wv)")
+    _, mod = _run(plain, max_merged_bytes=0, weights=frozenset({1, 2, 3}))
+    assert _dots(mod) == 1
+
+
+def test_the_pipeline_hands_merge_dots_its_weights_only_where_they_are_hoisted():
+    """MiniLM-shaped projections over the threshold: one merged dot where the weights are hoisted,
+    two (Q and K merged, V apart) with ``hoist_weights=False``."""
+    text = _module(["x: bf16[16384,384]", "wq: bf16[384,384]", "wk: bf16[384,384]", "wv: bf16[384,384]"],
+                   [f"%q = bf16[16384,384] dot(%x, %wq), {DOT}", f"%k = bf16[16384,384] dot(%x, %wk), {DOT}",
+                    f"%v = bf16[16384,384] dot(%x, %wv), {DOT}",
+                    "ROOT %out = (bf16[16384,384], bf16[16384,384], bf16[16384,384]) tuple(%q, %k, %v)"],
+                   "(bf16[16384,384], bf16[16384,384], bf16[16384,384])")
+    merge = [MergeDots()]
+    for hoist, dots in ((True, 1), (False, 2)):
+        options = pipeline.CompileOptions(hoist_weights=hoist)
+        result = pipeline.run_pipeline(parse_module(text), options, merge, weights=frozenset({1, 2, 3}))
+        assert _dots(result.module) == dots, hoist
+
+
 def test_equal_free_dims_of_a_rank3_operand_concatenate_on_the_first():
     text = _module(["x: f32[4,8]", "a: f32[8,2,3]", "b: f32[8,2,3]", "c: f32[8,5,3]"],
                    [f"%d1 = f32[4,2,3] dot(%x, %a), {DOT}", f"%d2 = f32[4,2,3] dot(%x, %b), {DOT}",

@@ -194,6 +194,32 @@ def test_gather_embedding_and_clamp():
     assert torch.equal(run_kernel(i2, [t2, ids]), t2[:, ids.clamp(max=9)].permute(1, 2, 0))
 
 
+def test_gather_writes_rows_into_the_assigned_buffer():
+    """An embedding gather with a buffer runs one index_select into it (no copy of its result);
+    a permuted result or a strided buffer still gets the right values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    table, ids = f32(10, 4), torch.tensor([[3, -2], [9, 11]])
+    i = inst("gather", Shape("f32", (2, 2, 4)), [param(table), param(ids, 1)], offset_dims=(2,),
+             collapsed_slice_dims=(0,), start_index_map=(0,), index_vector_dim=2, slice_sizes=(1, 4))
+    kernel, out = compile_kernel(i), torch.empty(2, 2, 4)
+    with Ops() as mode:
+        assert kernel([table, ids], out) is out
+    assert not any(n.startswith("copy") for n in mode.names), mode.names
+    assert torch.equal(out, F.embedding(ids.clamp(0, 9), table))
+    strided = torch.empty(2, 4, 2).transpose(1, 2)
+    assert torch.equal(kernel([table, ids], strided), F.embedding(ids.clamp(0, 9), table))
+
+
 def test_dynamic_slice_and_update_slice_clamp():
     x, upd = f32(6, 8), f32(2, 3)
     s0, s1 = torch.tensor(5), torch.tensor(1)  # row start 5 clamps to 4

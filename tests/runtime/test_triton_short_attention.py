@@ -67,6 +67,29 @@ def test_short_seq_equals_float64_sdpa(dtype, b, hq, hkv, sq, sk, d, dv, mask_ki
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sk", [128, 100])  # a full block of keys (no key masking in the kernel) and a padded one
+def test_a_padding_mask_of_finfo_min_equals_sdpa(dtype, sk):
+    """BERT's extended mask: finfo.min on padded keys, one sequence padded everywhere (the
+    softmax of equal scores: the mean of the values, as eager SDPA gives), at full and partial
+    key blocks."""
+    from spmd.runtime import triton_short_attention as tsa
+
+    q, k, v, _ = _inputs(3, 4, 4, 64, sk, 32, 32, dtype, "none", sk)
+    keep = torch.ones(3, sk, device="cuda")
+    keep[0] = 0
+    keep[1, sk // 2:] = 0
+    mask = ((1.0 - keep) * torch.finfo(dtype).min).to(dtype)[:, None, None, :]
+    ref = _reference(q, k, v, mask, False)
+    tol = 1e-5 if dtype == torch.float32 else ka.TOLERANCE[dtype]
+    for config in tsa.configs(q, k, v):
+        got = tsa.attention(q, k, v, mask, False, None, config)
+        assert not got.isnan().any(), config
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=tol * (1 + ref.abs().max().item()), msg=str(config))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_configuration_gives_the_same_result(dtype):
     from spmd.runtime import triton_short_attention as tsa
 

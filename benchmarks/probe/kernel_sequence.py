@@ -1,0 +1,63 @@
+"""The kernels of one spmd call of a one-GPU row, in issue order: name, µs, grid and block.
+
+The one-GPU benchmark aggregates its profile by kernel name; this lists one call's kernels one
+by one (``torch.profiler``, the CUDA-graph replay of ``spmd.parallelize`` on a one-device mesh),
+so that the kernels of one layer and the head and tail of the model can be told apart.
+
+Usage: ``python3 -m benchmarks.probe.kernel_sequence [--row minilm-bf16-128x128] [--first 24] [--last 12]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main(argv=None) -> int:
+    """Entry point; see the module docstring."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import spmd
+    from benchmarks import one_gpu
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap.add_argument("--row", default="minilm-bf16-128x128", choices=[r.name for r in one_gpu.ROWS])
+    ap.add_argument("--first", type=int, default=24)
+    ap.add_argument("--last", type=int, default=12)
+    args = ap.parse_args(argv)
+    row = next(r for r in one_gpu.ROWS if r.name == args.row)
+    device = torch.device("cuda", 0)
+    module32, inputs32 = one_gpu.build_module(row, False, 0)
+    dtype = torch.bfloat16 if row.dtype == "bf16" else torch.float32
+    module = module32.to(device=device, dtype=dtype)
+    inputs = one_gpu._cast_inputs(inputs32, dtype, device)
+    mesh = spmd.Mesh.create({"tp": 1}, devices="cuda:1")
+    pm = spmd.parallelize(module, mesh, one_gpu.plan_for(row))
+    placed = pm.place_inputs(*inputs)
+    for _ in range(5):
+        pm(*placed)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pm(*placed)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    print(f"{args.row}: {len(kernels)} kernels in one call", flush=True)
+    shown = list(enumerate(kernels))
+    if len(shown) > args.first + args.last:
+        shown = shown[:args.first] + [(-1, None)] + shown[-args.last:]
+    for i, e in shown:
+        if e is None:
+            print("  ...")
+            continue
+        print(f"  {i:3d} {e.time_range.elapsed_us():8.2f} µs  {e.name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
