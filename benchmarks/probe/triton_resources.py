@@ -29,8 +29,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 REGISTERS_PER_SM = 65536
-#: arguments left without the divisibility-by-16 hint (1 or odd at run time: the mask's key stride,
-#: the head group, the split count)
+#: arguments left without the divisibility-by-16 hint (1 or not a multiple of 16 at run time: the
+#: mask's key stride, the head group, sequence and head counts)
 _UNALIGNED = ("sm_k", "GROUP", "SQ", "SK", "HQ")
 SHARED_PER_SM_BYTES = 228 * 1024
 
