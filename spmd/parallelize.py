@@ -78,8 +78,7 @@ class ParallelModule:
         specs = self.input_shardings or (PartitionSpec(),) * len(inputs)
         named = [s if isinstance(s, NamedSharding) else NamedSharding(self.mesh, s) if isinstance(s, PartitionSpec)
                  else None for s in specs] if len(specs) == len(inputs) else [None] * len(inputs)
-        return tuple((tuple(x.shape), x.dtype, getattr(x, "sharding", None) or n) if hasattr(x, "shape")
-                     else ("static", x) for x, n in zip(inputs, named))
+        return tuple(_input_key(x, n) for x, n in zip(inputs, named))
 
     def place_inputs(self, *inputs) -> list[ShardedArray]:
         """Put forward inputs (CPU or device tensors) on the mesh with their input shardings."""
@@ -129,6 +128,22 @@ class ParallelModule:
                 f"{split}/{len(self.param_specs)} parameters sharded over {self.plan.tp_axis!r})")
 
 
+def _input_key(x, named: NamedSharding | None) -> tuple:
+    """The compile-cache key of one forward input: shape, dtype and sharding of a tensor or array;
+    of a pytree (a list or dict of tensors), its structure and its leaves' keys, so that an
+    unhashable container reaches ``spmd.jit``'s argument checks instead of failing here."""
+    if isinstance(x, (torch.Tensor, ShardedArray)):
+        return tuple(x.shape), x.dtype, getattr(x, "sharding", None) or named
+    leaves, spec = torch.utils._pytree.tree_flatten(x)
+    if len(leaves) == 1 and leaves[0] is x:
+        try:
+            hash(x)
+        except TypeError:
+            return "static", type(x).__name__, id(x)
+        return "static", type(x).__name__, x
+    return "tree", str(spec), tuple(_input_key(leaf, named) for leaf in leaves)
+
+
 def _split(t, dim: int | None, axis: str):
     """``t`` constrained to be split on ``dim`` over ``axis`` (other dims unsplit); non-tensors pass through."""
     if dim is None or not isinstance(t, torch.Tensor) or not -t.dim() <= dim < t.dim():
@@ -170,19 +185,24 @@ def parallelize(
         baked into the program as constants).
       mesh: the device mesh; it must hold ``plan.tp_axis``.
       plan: a ``spmd.models.plans.Plan``.
-      input_shardings: one ``PartitionSpec`` / ``NamedSharding`` per forward input; None
-        replicates every input.
+      input_shardings: a tuple of one ``PartitionSpec`` / ``NamedSharding`` per forward input
+        (also for a single input: ``(P("dp"),)``); None replicates every input. An input may be a
+        tensor, a ``ShardedArray`` or a pytree (list, dict) of them.
       options: ``CompileOptions`` of the compilation.
     Returns:
       A ``ParallelModule``; the first call lowers and compiles.
     Raises:
-      TypeError: ``module`` is not an nn.Module, ``mesh`` not a Mesh, ``plan`` not a Plan.
+      TypeError: ``module`` is not an nn.Module, ``mesh`` not a Mesh, ``plan`` not a Plan,
+        ``input_shardings`` not a tuple (one bare spec included).
       ValueError: the plan does not fit the module or the mesh (see ``resolve_plan``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a spmd.Mesh, got {type(mesh).__name__}")
+    if isinstance(input_shardings, (PartitionSpec, NamedSharding)):
+        raise TypeError(f"input_shardings: expected a tuple of specs (one per input), got one "
+                        f"{type(input_shardings).__name__}; write ({input_shardings!r},) for a single input")
     if input_shardings is not None and not isinstance(input_shardings, (tuple, list)):
         got = type(input_shardings).__name__
         raise TypeError(f"input_shardings: expected a tuple of specs (one per input), got {got}")

@@ -166,3 +166,34 @@ def test_a_call_with_another_number_of_inputs_than_input_shardings_names_the_inp
     with pytest.raises(ValueError, match=r"inputs: expected 1 \(one per entry of input_shardings\), got 0"):
         pm()
     torch.testing.assert_close(pm(x).to_torch(), pm.module(x))
+
+
+def test_one_spec_for_input_shardings_is_a_type_error_that_shows_the_tuple():
+    """PartitionSpec is a tuple: P() used to pass as zero specs and fail at the call with 'expected 0'."""
+    mesh = Mesh.create({"tp": 1}, devices="cpu:1")
+    with pytest.raises(TypeError, match=r"input_shardings: expected a tuple of specs \(one per input\), got one "
+                                        r"PartitionSpec; write \(.*,\) for a single input"):
+        parallelize(torch.nn.Linear(4, 4), mesh, plans.Plan(rules=()), input_shardings=P())
+
+
+class _DictInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, d):
+        return self.proj(d["x"]) + d["y"]
+
+
+def test_a_list_or_dict_input_reaches_the_argument_checks_or_runs():
+    """A list input used to fail while keying the compile cache (TypeError: unhashable type: 'list');
+    a module whose forward takes a dict of tensors runs."""
+    mesh = Mesh.create({"tp": 1}, devices="cpu:1")
+    pm = parallelize(torch.nn.Linear(4, 4), mesh, plans.Plan(rules=()))
+    with pytest.raises(TypeError, match=r"Linear: argument 1: expected a torch.Tensor or spmd.ShardedArray .*got list"):
+        pm([1.0] * 4)
+    pd = parallelize(_DictInput(), mesh, plans.Plan(rules=()))
+    d = {"x": torch.randn(2, 4), "y": torch.randn(2, 4)}
+    torch.testing.assert_close(pd(d).to_torch(), pd.module(d))
+    d2 = {"x": torch.randn(3, 4), "y": torch.randn(3, 4)}  # another shape: its own compiled program
+    torch.testing.assert_close(pd(d2).to_torch(), pd.module(d2))
