@@ -99,6 +99,14 @@ def idle_gaps(fn: Callable[[], object], top: int = 10) -> tuple[float, float, li
     kernel's end, the time inside it when no kernel ran on any stream, and the ``top`` longest idle
     gaps as (µs, kernel before, kernel after), longest first.
     """
+    span, gaps = gaps_between(kernel_events(fn))
+    gaps.sort(key=lambda g: -g[0])
+    return span, sum(g[0] for g in gaps), [(us, before, after) for us, _, _, before, after in gaps[:top]]
+
+
+def kernel_events(fn: Callable[[], object], name_chars: int = 60) -> list[tuple[float, float, str]]:
+    """``(start µs, end µs, name)`` of device 0's kernels during one call of ``fn`` (after one
+    untimed call), in start order, names cut to ``name_chars``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,11 +115,8 @@ def idle_gaps(fn: Callable[[], object], top: int = 10) -> tuple[float, float, li
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    evs = [(e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
-           if e.device_type == torch.autograd.DeviceType.CUDA and e.device_index == 0]
-    span, gaps = gaps_between(evs)
-    gaps.sort(key=lambda g: -g[0])
-    return span, sum(g[0] for g in gaps), [(us, before, after) for us, _, _, before, after in gaps[:top]]
+    return sorted((e.time_range.start, e.time_range.end, e.name[:name_chars]) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.device_index == 0)
 
 
 def gaps_between(kernels: list[tuple[float, float, str]]) -> tuple[float, list[tuple[float, float, float, str, str]]]:

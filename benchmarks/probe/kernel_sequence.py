@@ -1,8 +1,9 @@
-"""The kernels of one spmd call of a one-GPU row, in issue order: name, µs, grid and block.
+"""The kernels of one spmd call of a one-GPU row, in issue order: name and µs.
 
-The one-GPU benchmark aggregates its profile by kernel name; this lists one call's kernels one
-by one (``torch.profiler``, the CUDA-graph replay of ``spmd.parallelize`` on a one-device mesh),
-so that the kernels of one layer and the head and tail of the model can be told apart.
+The one-GPU benchmark aggregates its profile by kernel name; this lists one call's kernels one by
+one (``benchmarks.gpu_kernels.kernel_events`` of the CUDA-graph replay of ``spmd.parallelize`` on
+a one-device mesh), so that the kernels of one layer and the head and tail of the model can be
+told apart.
 
 Usage: ``python3 -m benchmarks.probe.kernel_sequence [--row minilm-bf16-128x128] [--first 24] [--last 12]``
 """
@@ -20,10 +21,10 @@ if __package__ in (None, ""):
 def main(argv=None) -> int:
     """Entry point; see the module docstring."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import spmd
     from benchmarks import one_gpu
+    from benchmarks.gpu_kernels import kernel_events
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     ap.add_argument("--row", default="minilm-bf16-128x128", choices=[r.name for r in one_gpu.ROWS])
@@ -41,21 +42,17 @@ def main(argv=None) -> int:
     placed = pm.place_inputs(*inputs)
     for _ in range(5):
         pm(*placed)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        pm(*placed)
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = kernel_events(lambda: pm(*placed), name_chars=110)
     print(f"{args.row}: {len(kernels)} kernels in one call", flush=True)
     shown = list(enumerate(kernels))
     if len(shown) > args.first + args.last:
         shown = shown[:args.first] + [(-1, None)] + shown[-args.last:]
-    for i, e in shown:
-        if e is None:
+    for i, k in shown:
+        if k is None:
             print("  ...")
             continue
-        print(f"  {i:3d} {e.time_range.elapsed_us():8.2f} µs  {e.name[:110]}")
+        start, end, name = k
+        print(f"  {i:3d} {end - start:8.2f} µs  {name}")
     return 0
 
 

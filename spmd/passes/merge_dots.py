@@ -90,6 +90,7 @@ class MergeDots:
             raise ValueError(f"max_merged_bytes must be >= 0, got {self.max_merged_bytes}")
         if not isinstance(self.merge_bias_adds, bool):
             raise TypeError(f"merge_bias_adds must be a bool, got {type(self.merge_bias_adds).__name__}")
+        object.__setattr__(self, "weights", frozenset(self.weights))
 
     def run(self, module: Module) -> Module:
         if not module.is_partitioned:
@@ -100,7 +101,7 @@ class MergeDots:
         merged = True
         while merged:  # a merge can unlock or forbid others: search again until nothing merges
             merged = False
-            for group in find_groups(comp, self.max_merged_bytes, frozenset(self.weights)):
+            for group in find_groups(comp, self.max_merged_bytes, self.weights):
                 reach = _Reach.of(comp)  # the graph as the earlier merges of this round left it
                 if not reach.still_mergeable(group):
                     continue

@@ -314,7 +314,7 @@ def run_pipeline(module: Module, options: CompileOptions, passes: list | None = 
                             dump, index)
         elif p.name == "merge-dots" and weights and options.hoist_weights:
             # a concatenation of weights is hoisted (once per weight version): no size threshold
-            module = dataclasses.replace(p, weights=frozenset(weights)).run(module)
+            module = dataclasses.replace(p, weights=weights).run(module)
         elif p.name == "split-batch" and weights:
             module = dataclasses.replace(p, weights=frozenset(weights) | _hoisted(result, module)).run(module)
         else:
