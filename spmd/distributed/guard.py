@@ -53,6 +53,7 @@ def guarded(comm: Any, op: str, ranks: tuple[int, ...]):
         raise
     except Exception as e:  # gloo / NCCL raise RuntimeError (DistBackendError) on timeout or a lost peer
         state = comm.state
+        state.failed = True  # shutdown then skips its leave barrier: a peer may be gone
         key = f"fail/{comm.comm_id}/{comm.calls}"
         try:
             state.store.set(f"{key}/{state.info.rank}", "1")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from spmd.distributed import state as st
 from spmd.distributed.state import ProcessInfo, _State
-from spmd.distributed.store import all_gather_str
+from spmd.distributed.store import all_gather_str, wait_keys
 
 TIMEOUT_ENV = "SPMD_DISTRIBUTED_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -94,12 +94,34 @@ def maybe_initialize() -> _State | None:
     return st.current()
 
 
+#: Bound in seconds of the barrier before the groups are destroyed (a dead peer delays exit by this much).
+LEAVE_BARRIER_S = 30.0
+_LEAVES = [0]  # shutdowns so far in this process: keys of a later run on the same store stay distinct
+
+
 def shutdown() -> None:
-    """Leave the run: destroy the process groups ``spmd`` created and the default group."""
+    """Leave the run: wait (bounded) until every rank leaves, then destroy the process groups
+    ``spmd`` created and the default group.
+
+    The barrier keeps a rank from destroying its groups while a peer still receives that rank's
+    last collective (a destroyed gloo pair can reset the peer's connection, and ranks that call
+    ``destroy_process_group`` at different times can hang, pytorch/pytorch#75097). It is a store
+    barrier bounded by ``LEAVE_BARRIER_S``: a peer that died or hangs delays this rank's exit by
+    at most that long and raises nothing. After a cross-process wait of the run failed (a
+    ``DistributedTimeoutError``) the barrier is skipped.
+    """
     state = st.current()
     st.set_state(None)
     _forget_programs()
-    if state is not None and dist.is_initialized():
+    if state is None:
+        return
+    _LEAVES[0] += 1
+    if state.info.world_size > 1 and not state.failed:
+        with contextlib.suppress(Exception):  # leaving never fails: a missing peer only bounds the wait
+            state.store.set(f"leave/{_LEAVES[0]}/{state.info.rank}", "1")
+            wait_keys(state, [f"leave/{_LEAVES[0]}/{r}" for r in range(state.info.world_size)],
+                      min(LEAVE_BARRIER_S, state.info.timeout_s))
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -43,6 +43,7 @@ class _State:
     store: Any  # a torch.distributed Store (prefixed "spmd/")
     groups: dict = field(default_factory=dict)  # sorted rank tuple -> process group, created once
     counters: dict = field(default_factory=lambda: {})
+    failed: bool = False  # a cross-process wait of this run timed out or lost a peer
 
     def next_id(self, kind: str) -> int:
         """A per-process sequence number of ``kind`` (equal on every rank that runs the same program)."""

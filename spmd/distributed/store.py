@@ -33,6 +33,7 @@ def all_gather_str(state: _State, key: str, value: str, what: str, program: str 
     keys = [f"{key}/{r}" for r in range(info.world_size)]
     missing = wait_keys(state, keys, timeout_s)
     if missing:
+        state.failed = True  # shutdown then skips its leave barrier: a peer may be gone
         bound = info.timeout_s if timeout_s is None else timeout_s
         ranks = [r for r, k in enumerate(keys) if k in missing]
         where = f" of program {program!r}" if program else ""

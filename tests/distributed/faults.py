@@ -91,3 +91,29 @@ def bad_input_worker(rank: int, world: int, init_method: str, out: str) -> None:
         _write(out, rank, "\n".join(lines))
     finally:
         spmd.distributed.shutdown()
+
+
+def leave_worker(rank: int, world: int, init_method: str, out: str, mode: str) -> None:
+    """``shutdown``'s leave barrier. ``order``: rank 1 leaves 1.5 s late; rank 0's shutdown must return
+    after rank 1 entered its own. ``absent``: rank 1 exits without shutdown; rank 0's returns, no error,
+    after the (shortened) bound. ``failed``: as ``absent`` after a failed wait: no barrier at all.
+    Rank 0 writes ``"<seconds its shutdown took> <wall time it returned>"``, rank 1 ``"<wall time it entered>"``."""
+    from spmd.distributed import init as init_module
+
+    init_module.LEAVE_BARRIER_S = 2.0 if mode == "absent" else 60.0
+    init(rank, world, init_method, timeout_s=60)
+    Mesh.create({"x": world}, devices="cpu:1")
+    if rank == 1:
+        if mode == "order":
+            time.sleep(1.5)
+        _write(out, rank, f"{time.time()}")
+        if mode == "order":
+            spmd.distributed.shutdown()
+        os._exit(0)
+    while mode != "order" and not Path(out, "rank1.txt").exists():
+        time.sleep(0.05)
+    if mode == "failed":
+        spmd.distributed.state.current().failed = True
+    start = time.monotonic()
+    spmd.distributed.shutdown()
+    _write(out, rank, f"{time.monotonic() - start} {time.time()}")

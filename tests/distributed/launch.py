@@ -57,28 +57,41 @@ def free_port() -> int:
 
 
 def torchrun(nnodes: int, nproc: int, argv: list[str], timeout_s: float = TIMEOUT_S,
-             env: dict | None = None) -> list[subprocess.CompletedProcess]:
+             env: dict | None = None, grace_s: float = 20.0) -> list[subprocess.CompletedProcess]:
     """Run ``torchrun --nnodes nnodes --node-rank i --nproc-per-node nproc <argv>`` for every node on localhost.
 
-    Returns the finished processes (stdout and stderr captured as text); kills all after ``timeout_s``.
+    Returns the finished processes (stdout and stderr captured as text). When one node's agent
+    fails, the others get ``grace_s`` seconds before they are killed (a surviving agent would
+    otherwise wait out torchrun's 300 s exit barrier); after ``timeout_s`` all are killed and the
+    TimeoutError shows every node's output, so a hang on any node is visible.
     """
     port = free_port()
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    logs = Path(tempfile.mkdtemp())
     procs = []
     for node in range(nnodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node}",
                f"--nproc-per-node={nproc}", "--master-addr=localhost", f"--master-port={port}", *argv]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    out = []
+        with open(logs / f"{node}.out", "w") as out, open(logs / f"{node}.err", "w") as err:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=err, text=True))
     deadline = time.monotonic() + timeout_s
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace_s)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
+        hung = [node for node, p in enumerate(procs) if p.poll() is None]
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
+            p.wait()
+    out = [subprocess.CompletedProcess(p.args, p.returncode, (logs / f"{node}.out").read_text(),
+                                       (logs / f"{node}.err").read_text()) for node, p in enumerate(procs)]
+    if hung and not any(p.returncode not in (0, -9) for p in procs):  # a hang, not a failure
+        shown = "\n".join(f"--- node {n} (exit {r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}"
+                          for n, r in enumerate(out))
+        raise TimeoutError(f"torchrun nodes {hung} still running after {timeout_s} s\n{shown}")
     return out

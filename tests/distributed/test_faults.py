@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from faults import bad_input_worker, dying_worker
+from faults import bad_input_worker, dying_worker, leave_worker
 from launch import spawn
 
 TIMEOUT_S = 10.0
@@ -52,3 +52,18 @@ def test_bad_input_and_a_mismatched_program_are_clear_errors_naming_ranks(tmp_pa
         assert got["mismatch"].startswith("ProgramMismatchError: program 'mlp'"), got["mismatch"]
         assert "rank 0 run mlp(float32[8, 16]" in got["mismatch"], got["mismatch"]
         assert "rank 1 run mlp(float32[6, 16]" in got["mismatch"], got["mismatch"]
+
+
+@pytest.mark.parametrize("mode", ["order", "absent", "failed"])
+def test_shutdown_waits_for_every_rank_to_leave_within_a_bound(tmp_path, mode):
+    """No rank destroys its groups while a peer may still be in the last collective; a peer that
+    never leaves delays the exit only by the bound, and a run that already failed does not wait."""
+    spawn(leave_worker, 2, str(tmp_path), mode)
+    took_s, returned = map(float, (tmp_path / "rank0.txt").read_text().split())
+    entered = float((tmp_path / "rank1.txt").read_text())
+    if mode == "order":
+        assert returned >= entered, (returned, entered)
+    elif mode == "absent":
+        assert 2.0 <= took_s < 30.0, took_s
+    else:
+        assert took_s < 30.0, took_s  # the 60 s barrier was skipped
