@@ -11,7 +11,7 @@ from benchmarks import one_gpu
 
 def test_small_dry_run_measures_and_checks_numerics(tmp_path):
     rc = one_gpu.main(["--device", "cpu", "--small", "--rows", "llama2-2l-bf16-1x1", "--variants",
-                       "eager,spmd,spmd-no-merge", "--rounds", "1", "--reps", "2", "--out", str(tmp_path),
+                       "eager,spmd,spmd-no-merge,matmul-only", "--rounds", "1", "--reps", "2", "--out", str(tmp_path),
                        "--doc", str(tmp_path / "b.md")])
     assert rc == 0
     data = json.loads((tmp_path / "one_gpu_results.json").read_text())
@@ -21,6 +21,7 @@ def test_small_dry_run_measures_and_checks_numerics(tmp_path):
     assert rec["rel_err"]["spmd"] < 2e-2 and rec["rel_err"]["eager"] < 2e-2
     assert rec["rel_err"]["spmd-no-merge"] < 2e-2 and rec["ms"]["spmd-no-merge"] > 0
     assert rec["flops"] > 0 and rec["floor_ms"] > 0
+    assert rec["ms"]["matmul-only"] > 0 and "matmul-only" not in rec["rel_err"]  # an anchor: random operands
     assert "one GPU vs torch.compile" in (tmp_path / "b.md").read_text()
 
 
@@ -30,6 +31,10 @@ def test_table_ratios():
     cells = dict(zip(headers, rows[0], strict=True))
     assert cells["spmd ÷ compile-ro"] == "×0.50" and cells["spmd ÷ compile"] == "×0.25"
     assert cells["spmd ÷ floor"] == "×2.00"
+    assert cells["compile-ro ÷ matmul-only"] == "n/a"
+    rec["ms"]["matmul-only"] = 1.6
+    cells = dict(zip(headers, one_gpu.table([rec], ["eager", "compile", "compile-ro", "spmd"])[1][0], strict=True))
+    assert cells["compile-ro ÷ matmul-only"] == "×1.25"
 
 
 @pytest.mark.parametrize("flag", ["--rows", "--variants"])
