@@ -5,7 +5,8 @@ one (``benchmarks.gpu_kernels.kernel_events`` of the CUDA-graph replay of ``spmd
 a one-device mesh), so that the kernels of one layer and the head and tail of the model can be
 told apart.
 
-Usage: ``python3 -m benchmarks.probe.kernel_sequence [--row minilm-bf16-128x128] [--first 24] [--last 12]``
+Usage: ``python3 -m benchmarks.probe.kernel_sequence [--row minilm-bf16-128x128] [--first 24] [--last 12] [--text]``
+(``--text``: also the scheduled program's instructions, to match kernels with the ops they run).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--row", default="minilm-bf16-128x128", choices=[r.name for r in one_gpu.ROWS])
     ap.add_argument("--first", type=int, default=24)
     ap.add_argument("--last", type=int, default=12)
+    ap.add_argument("--text", action="store_true", help="also print the scheduled program's entry instructions")
     args = ap.parse_args(argv)
     row = next(r for r in one_gpu.ROWS if r.name == args.row)
     device = torch.device("cuda", 0)
@@ -43,6 +45,8 @@ def main(argv=None) -> int:
     for _ in range(5):
         pm(*placed)
     kernels = kernel_events(lambda: pm(*placed), name_chars=110)
+    if args.text:
+        _print_entry(pm.lowered.as_text(pm.lowered.stages[-1]))
     print(f"{args.row}: {len(kernels)} kernels in one call", flush=True)
     shown = list(enumerate(kernels))
     if len(shown) > args.first + args.last:
@@ -54,6 +58,16 @@ def main(argv=None) -> int:
         start, end, name = k
         print(f"  {i:3d} {end - start:8.2f} µs  {name}")
     return 0
+
+
+def _print_entry(text: str) -> None:
+    """The entry computation's instructions, without parameters and metadata."""
+    import re
+
+    entry = text[text.index("\nENTRY") + 1:]
+    for line in entry.splitlines()[1:]:
+        if " parameter(" not in line and line.strip() != "}":
+            print("  | " + re.sub(r", (metadata|sharding)=\{[^}]*\}", "", line.strip())[:200])
 
 
 if __name__ == "__main__":

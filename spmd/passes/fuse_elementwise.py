@@ -17,7 +17,9 @@ convert kernel, no float32 copy stored). An
 ``add`` of a single-use dot and a bias or residual is left to the runtime's addmm (but a float32
 bias add read only by fusing ops joins their fusion, see ``_is_addmm_operand``). A fusion
 whose only user is a transpose absorbs it (``absorb_transposes``: the kernel writes the
-transposed order). Each group with at least two ops that would launch a kernel becomes::
+transposed order), and a fusion computing an attention call's q or k writes [B, S, H, D] order
+(``spmd.passes.attention_layout``: the attention output's reshape is then a view). Each group
+with at least two ops that would launch a kernel becomes::
 
     %fusion = f32[8,128,384] fusion(%all-reduce, %bias, %residual), kind=kLoop, calls=%fused_computation
 
@@ -63,6 +65,7 @@ from typing import ClassVar
 
 from spmd.ir.builder import Builder
 from spmd.ir.hlo import ELEMENTWISE_OPCODES, Computation, Instruction, Module
+from spmd.passes.attention_layout import attention_operand_layouts
 from spmd.passes.cse import cse_computation
 from spmd.passes.folding import folded_instructions
 from spmd.passes.fuse_update_slice import UpdateSiblings, dus_sibling_fuses, grown_operands, is_update_root
@@ -151,7 +154,7 @@ class FuseElementwise:
         builder = Builder(module, comp)
         for group in groups:
             _outline(module, builder, comp, group)
-        if groups and absorb_transposes(module, builder, comp):
+        if groups and absorb_transposes(module, builder, comp) + attention_operand_layouts(module, builder, comp):
             _drop_unused_computations(module)
         if groups:
             comp.remove_dead()

@@ -225,10 +225,13 @@ def run_steps(kernels: list[Callable], steps: list, args: Sequence[Tensor]) -> l
 
 def interpreter(body: Computation, device: torch.device) -> Callable[..., Tensor]:
     """``fn(*operands) -> Tensor`` running ``body`` op by op with the unfused kernels."""
-    from spmd.runtime.kernels import compile_kernel
+    from spmd.runtime.kernels import VIEW_KERNEL_OPCODES, compile_kernel, compile_view_kernel
 
     steps, source = op_steps(body)
-    kernels = [compile_kernel(inst, device) for inst, _ in steps]
+    # layout ops are views here (the fused kernel never stores them; the caller copies a
+    # non-contiguous result once): a rotary embedding's transposed q is not copied first
+    kernels = [compile_view_kernel(inst) if inst.opcode in VIEW_KERNEL_OPCODES else compile_kernel(inst, device)
+               for inst, _ in steps]
     _, root = source(body.root)
 
     def run(*args: Tensor) -> Tensor:
@@ -328,8 +331,11 @@ def _inductor(fn: Callable[..., Tensor], ops: list[Tensor]) -> Callable[..., Ten
     """``fn`` traced to ATen on ``ops`` and compiled by Inductor; checked against ``fn`` once."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    def contiguous(*args: Tensor) -> Tensor:  # the kernel stores row-major: no copy after it
+        return fn(*args).contiguous()
+
     with torch.no_grad():
-        gm = make_fx(fn)(*ops)
+        gm = make_fx(contiguous)(*ops)
         compiled = torch._inductor.compile(gm, list(ops), options=_INDUCTOR_OPTIONS)
         got, want = compiled(*ops), fn(*ops)
     if isinstance(got, (tuple, list)):
