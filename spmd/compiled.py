@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from spmd import metrics
 from spmd.array import ShardedArray, device_put
+from spmd.distributed import state as run_state
 from spmd.ir.hlo import Module
 from spmd.ir.random import draw_key
 from spmd.lowering import static_key
@@ -146,6 +147,8 @@ class Compiled:
                                   strict=True))
         self._no_events = (None,) * len(self.mesh.local_pids)
         self._first_run = self.mesh.is_multi_process  # compare the program across ranks before running it
+        # the run a multi-process program was compiled in (its communicators end with it), else None
+        self._generation = run_state.generation() if self.mesh.is_multi_process else None
         self._out_leaf = lowered.out_tree.is_leaf()
         self._laid_out = [(spec.dtype, spec.sharding, spec.shape, None) for spec in self.input_specs]
         self._run_for, self._run = None, None  # see _execute
@@ -232,8 +235,9 @@ class Compiled:
           ValueError: wrong number of arguments, or an argument whose shape,
             dtype, mesh or sharding differs from the compiled one (a sharding
             on the same mesh is resharded on device instead when the jit was
-            made with ``reshard_inputs=True``), or a donated array that is
-            also passed in another position.
+            made with ``reshard_inputs=True``), a donated array that is also
+            passed in another position, or a multi-process program called
+            after its run ended (``spmd.distributed.shutdown``).
           DeletedArrayError (a ValueError): a deleted or donated array.
           TypeError: an argument that is neither a ShardedArray nor a Tensor.
         """
@@ -252,6 +256,8 @@ class Compiled:
 
     def _execute(self, args: Sequence, arrays: Sequence[ShardedArray], start: float) -> list[ShardedArray]:
         """Run on ``arrays`` (checked, laid out as compiled; ``args`` as the caller passed them)."""
+        if self._generation is not None and self._generation != run_state.generation():
+            run_state.run_ended(self.name)
         if not self._donated:
             return self._execute_claimed(args, arrays, start)
         self._claim_donated(arrays)

@@ -28,6 +28,7 @@ from spmd import metrics
 from spmd.array import ShardedArray
 from spmd.compile_lock import COMPILE_LOCK
 from spmd.compiled import Compiled, CompiledTemplate, compile_module
+from spmd.distributed import state as run_state
 from spmd.mesh import Mesh
 from spmd.passes.pipeline import CompileOptions, type_name
 from spmd.sharding import NamedSharding, PartitionSpec
@@ -136,12 +137,22 @@ class Jitted:
         self._fast: tuple[int, Compiled] | None = None
         self._specs: dict = {}  # arguments' pytree structure -> per-leaf NamedSharding or None
         self._replicated = NamedSharding(mesh, PartitionSpec()) if isinstance(mesh, Mesh) else None
+        self._multi_process = isinstance(mesh, Mesh) and mesh.is_multi_process
+        self._generation = run_state.generation()  # of the run the cached programs were compiled in
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     def __call__(self, *args, **kwargs):
+        """Run on ``args`` (compiling at the first call of each argument signature).
+
+        Raises TypeError for keyword arguments, and ValueError on a multi-process mesh after
+        ``spmd.distributed.shutdown`` (no run to execute in); in a later run the programs are
+        compiled again.
+        """
         if kwargs:
             raise TypeError(f"{self.__name__}: spmd.jit functions take positional arguments only; "
                             f"got keyword argument(s) {', '.join(kwargs)}")
+        if self._multi_process and self._generation != run_state.generation():
+            self._new_run()
         fast = self._fast
         if fast is not None:
             leaves = _fast_leaves(args, fast[0])
@@ -168,6 +179,15 @@ class Jitted:
         if template is not None:
             self._fast = (template, compiled)
         return compiled._call_flat(leaves)
+
+    def _new_run(self) -> None:
+        """Drop the programs compiled in an earlier run (their communicators are gone); ValueError
+        naming this function when no run is joined now."""
+        run_state.require(self.__name__)
+        with COMPILE_LOCK:
+            self._cache.clear()
+            self._fast = None
+            self._generation = run_state.generation()
 
     def _key(self, args: tuple, leaves: list, tree) -> tuple:
         """The per-``Jitted`` cache key: structure, then per leaf its shape, dtype and sharding: an

@@ -31,6 +31,8 @@ import torch
 from spmd.ir.sharding import MeshShape
 
 PLATFORMS = ("cpu", "cuda")
+#: Most virtual CPU devices one mesh (per process) may have: each is a partition the runtime drives.
+MAX_CPU_DEVICES = 4096
 
 
 @dataclass(frozen=True)
@@ -102,18 +104,21 @@ class Mesh:
         Raises:
           ValueError: duplicate axis names, sizes < 1, a size product that
             differs from the device count, more devices than present (or CUDA
-            devices asked for with none present), negative CUDA ordinals,
-            duplicate or mixed-platform devices, malformed device strings.
+            devices asked for with none present), more than ``MAX_CPU_DEVICES``
+            virtual CPU devices, negative CUDA ordinals, duplicate or
+            mixed-platform devices, malformed device strings. In a
+            multi-process run also processes that name different axes or
+            device counts, raised on every rank (``spmd.distributed.global_mesh``).
           TypeError: ``axes`` or ``devices`` of the wrong type.
         """
-        names, sizes = _parse_axes(axes)
         from spmd.distributed.init import maybe_initialize
 
         state = maybe_initialize()
         if state is not None and state.info.world_size > 1:
             from spmd.distributed.global_mesh import create_global
 
-            return create_global(state, names, sizes, devices)
+            return create_global(state, axes, devices)
+        names, sizes = _parse_axes(axes)
         platform, ids = _parse_devices(devices, math.prod(sizes) if sizes is not None else None)
         if sizes is None:
             sizes = (len(ids),)
@@ -265,6 +270,11 @@ def _fmt_ids(platform: str, ids: tuple[int, ...]) -> str:
     return f"{platform}:[{','.join(map(str, ids))}]"
 
 
+def _shorten(text: str, limit: int = 40) -> str:
+    """``text``, its middle elided beyond ``limit`` characters (a device count of many digits)."""
+    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 2:]} ({len(text)} characters)"
+
+
 def _parse_axes(axes) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
     """(names, sizes or None when one unsized axis takes all devices)."""
     if isinstance(axes, str):
@@ -338,19 +348,25 @@ def _parse_device_string(spec: str, needed: int | None) -> tuple[str, tuple[int,
     if platform not in PLATFORMS:
         raise ValueError(f"devices: expected 'cpu:N', 'cpu', 'cuda' or 'cuda:N', got {spec!r}")
     if count:
-        if not re.fullmatch("[0-9]+", count) or int(count) < 1:
+        if not re.fullmatch("[0-9]+", count) or not count.strip("0"):
             raise ValueError(f"devices: expected a positive device count after '{platform}:', got {spec!r}")
-        n = int(count)
+        count = count.lstrip("0")  # int() of thousands of digits raises; such a count is too many anyway
+        n = int(count) if len(count) <= len(str(MAX_CPU_DEVICES)) else MAX_CPU_DEVICES + 1
     elif platform == "cpu":
         n = needed if needed is not None else 1
     else:
         n = Mesh.local_devices_count("cuda")
         if n == 0:
             raise ValueError("devices: 'cuda' asks for all local GPUs, but none is present")
+    shown = _shorten(count) if count else str(n)
+    if platform == "cpu" and n > MAX_CPU_DEVICES:
+        raise ValueError(f"devices: expected at most {MAX_CPU_DEVICES} virtual CPU devices, got {shown} "
+                         f"(devices={_shorten(spec)!r})")
     if platform == "cuda":
         present = Mesh.local_devices_count("cuda")
         if present == 0:
-            raise ValueError(f"devices: {spec!r} asks for {n} CUDA devices, but no CUDA device is present")
+            raise ValueError(f"devices: {_shorten(spec)!r} asks for {shown} CUDA devices, but no CUDA device is "
+                             f"present")
         if n > present:
-            raise ValueError(f"devices: the mesh needs {n} CUDA devices, but {present} are present")
+            raise ValueError(f"devices: the mesh needs {shown} CUDA devices, but {present} are present")
     return platform, tuple(range(n))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from spmd.array import ShardedArray, device_put
+from spmd.distributed import state as run_state
 from spmd.frontend.constraint import with_sharding_constraint
 from spmd.jit import jit
 from spmd.mesh import Mesh
@@ -57,6 +58,7 @@ class ParallelModule:
         self.compile_s = 0.0
         self._compiled_by_key: dict[tuple, tuple] = {}
         self._jitted: dict[int, object] = {}
+        self._generation = run_state.generation()  # of the run the compiled forwards belong to
 
     def _jit_for(self, n_inputs: int):
         if n_inputs not in self._jitted:
@@ -92,8 +94,14 @@ class ParallelModule:
         """Lower and compile the forward for these inputs (no execution); returns the ``Lowered``.
 
         Raises ValueError when ``params`` lacks a parameter of the module or holds a name that is
-        none of them (a missing one would silently fall back to the module's own tensor).
+        none of them (a missing one would silently fall back to the module's own tensor), and on a
+        multi-process mesh after ``spmd.distributed.shutdown`` (in a later run it compiles again).
         """
+        if self.mesh.is_multi_process and self._generation != run_state.generation():
+            run_state.require(type(self.module).__name__)
+            self._compiled_by_key.clear()
+            self._jitted.clear()
+            self._generation = run_state.generation()
         self._check_param_names()
         key = self._key(inputs)
         if key not in self._compiled_by_key:
@@ -107,7 +115,9 @@ class ParallelModule:
         return self.lowered
 
     def __call__(self, *inputs):
-        """Run the forward on ``inputs`` (torch.Tensors or ShardedArrays); returns ShardedArray(s)."""
+        """Run the forward on ``inputs`` (torch.Tensors or ShardedArrays); returns ShardedArray(s).
+
+        Raises what ``lower`` and the compiled forward raise."""
         self.lower(*inputs)
         return self.compiled(self.params, *inputs)
 
@@ -203,15 +213,15 @@ def parallelize(
     if isinstance(input_shardings, (PartitionSpec, NamedSharding)):
         raise TypeError(f"input_shardings: expected a tuple of specs (one per input), got one "
                         f"{type(input_shardings).__name__}; write ({input_shardings!r},) for a single input")
-    if input_shardings is not None and not isinstance(input_shardings, (tuple, list)):
+    if input_shardings is not None and not isinstance(input_shardings, tuple):
         got = type(input_shardings).__name__
-        raise TypeError(f"input_shardings: expected a tuple of specs (one per input), got {got}")
+        shown = f"; write {tuple(input_shardings)!r}" if isinstance(input_shardings, list) else ""
+        raise TypeError(f"input_shardings: expected a tuple of specs (one per input), got {got}{shown}")
     specs = resolve_plan(module, mesh, plan)
     named = dict(module.named_parameters())
     with torch.no_grad():
         params = {fqn: device_put(named[fqn].detach(), NamedSharding(mesh, spec)) for fqn, spec in specs.items()}
-    inputs = None if input_shardings is None else tuple(input_shardings)
-    return ParallelModule(module, mesh, plan, specs, params, inputs, options or CompileOptions())
+    return ParallelModule(module, mesh, plan, specs, params, input_shardings, options or CompileOptions())
 
 
 # ----------------------------------------------------------------- collectives summary

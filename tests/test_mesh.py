@@ -162,3 +162,17 @@ def test_direct_constructor_checks_its_fields():
     made = Mesh(shape, "cpu", [0, 1])  # the fields themselves: a list of ids is kept as a tuple
     assert made == Mesh.create(("tp",), "cpu:2") and hash(made) == hash(Mesh.create(("tp",), "cpu:2"))
     assert made.device_ids == (0, 1)
+
+
+@pytest.mark.parametrize("count", [str(10**30), "1000000000", "9" * 5000, "4097"],
+                         ids=["10**30", "10**9", "5000-digits", "4097"])
+def test_virtual_cpu_device_count_is_capped(count):
+    """A count beyond ``MAX_CPU_DEVICES`` is a ValueError before anything is allocated (a huge one
+    used to be an OverflowError, or gigabytes of device ids)."""
+    from spmd.mesh import MAX_CPU_DEVICES
+
+    with pytest.raises(ValueError, match=f"devices: expected at most {MAX_CPU_DEVICES} virtual CPU devices, got "):
+        Mesh.create(("x",), devices=f"cpu:{count}")
+    with pytest.raises(ValueError, match="got 1000000000 \\(devices='cpu'\\)"):
+        Mesh.create({"x": 10**9}, devices="cpu")
+    assert Mesh.create(("x",), devices="cpu:0008").num_devices == 8

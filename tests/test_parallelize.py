@@ -176,6 +176,14 @@ def test_one_spec_for_input_shardings_is_a_type_error_that_shows_the_tuple():
         parallelize(torch.nn.Linear(4, 4), mesh, plans.Plan(rules=()), input_shardings=P())
 
 
+
+def test_a_list_for_input_shardings_is_a_type_error_as_documented():
+    mesh = Mesh.create({"tp": 1}, devices="cpu:1")
+    with pytest.raises(TypeError, match=r"input_shardings: expected a tuple of specs \(one per input\), got list; "
+                                        r"write \(P\(\),\)"):
+        parallelize(torch.nn.Linear(4, 4), mesh, plans.Plan(rules=()), input_shardings=[P()])
+
+
 class _DictInput(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -8,6 +8,7 @@ counts through the store (a bounded exchange), so a mismatch is an error naming 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -20,32 +21,51 @@ from spmd.distributed.store import all_gather_str
 from spmd.ir.sharding import MeshShape
 
 
-def create_global(state: _State, names: tuple[str, ...], sizes: tuple[int, ...] | None, devices):
-    """The global ``Mesh`` with axes ``names`` / ``sizes`` over every process's ``devices``.
+def create_global(state: _State, axes, devices):
+    """The global ``Mesh`` with ``axes`` (as ``Mesh.create`` takes them) over every process's ``devices``.
+
+    Every rank takes part in one bounded exchange of its axes, its device count and any error its
+    own arguments raised, so that every rank raises (the same error, naming the ranks) when one
+    rank's arguments are wrong or the ranks disagree.
 
     Raises:
-      ValueError: a device of another process named in ``devices``; processes naming different
-        numbers or kinds of devices (names the ranks); axis sizes that do not multiply to the world
-        size times the local device count (names the world size).
+      ValueError: processes creating meshes of different axes (names or sizes; names the ranks); a
+        device of another process named in ``devices``; processes naming different numbers or kinds
+        of devices (names the ranks); axis sizes that do not multiply to the world size times the
+        local device count (names the world size); on every rank, any error of ``Mesh.create``'s
+        arguments on some rank (this rank's own error is raised as it is, TypeError included).
     """
-    from spmd.mesh import Mesh, _parse_devices
+    from spmd.mesh import Mesh, _parse_axes, _parse_devices
 
     info = state.info
     world = info.world_size
-    needed = None if sizes is None else math.prod(sizes)
-    per_process = needed // world if needed is not None and needed % world == 0 else None
-    _check_local_list(devices, info.rank)
-    platform, ids = _parse_devices(devices, per_process if per_process else 1)
-    if platform == "cuda":
-        ids = _own_gpus(devices, ids)
+    names, sizes, platform, ids, error = (), None, "", (), None
+    try:
+        names, sizes = _parse_axes(axes)
+        needed = None if sizes is None else math.prod(sizes)
+        per_process = needed // world if needed is not None and needed % world == 0 else None
+        _check_local_list(devices, info.rank)
+        platform, ids = _parse_devices(devices, per_process if per_process else 1)
+        if platform == "cuda":
+            ids = _own_gpus(devices, ids)
+    except (TypeError, ValueError) as e:
+        error = e
     seq = state.next_id("mesh")
-    views = all_gather_str(state, f"mesh/{seq}", f"{platform}:{len(ids)}", "Mesh.create")
-    if len(set(views)) != 1:
-        groups: dict[str, list[int]] = {}
-        for r, v in enumerate(views):
-            groups.setdefault(v, []).append(r)
-        said = "; ".join(f"{fmt_ranks(rs)} {v}" for v, rs in groups.items())
-        raise ValueError(f"devices: every process must name the same number of local devices, got {said}")
+    mine = {"axes": _fmt_axes(names, sizes), "devices": f"{platform}:{len(ids)}", "error": error and str(error)}
+    views = [json.loads(v) for v in all_gather_str(state, f"mesh/{seq}", json.dumps(mine), "Mesh.create")]
+    if error is not None:
+        raise error
+    failed = [r for r, v in enumerate(views) if v["error"]]
+    if failed:
+        raise ValueError(f"Mesh.create failed on {fmt_ranks(failed)}: {views[failed[0]]['error']}")
+    for what, expected in (("axes", "the same mesh axes (names and sizes, in order)"),
+                           ("devices", "the same number of local devices")):
+        if len({v[what] for v in views}) != 1:
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(views):
+                groups.setdefault(v[what], []).append(r)
+            said = "; ".join(f"{fmt_ranks(rs)} {v}" for v, rs in groups.items())
+            raise ValueError(f"{what}: every process must name {expected}, got {said}")
     total = world * len(ids)
     if sizes is None:
         sizes = (total,)
@@ -57,6 +77,11 @@ def create_global(state: _State, names: tuple[str, ...], sizes: tuple[int, ...] 
                          f"processes or change the mesh")
     procs = tuple(r for r in range(world) for _ in ids)
     return Mesh(MeshShape(names, tuple(sizes)), platform, tuple(ids) * world, procs)
+
+
+def _fmt_axes(names: tuple[str, ...], sizes: tuple[int, ...] | None) -> str:
+    """``{'dp': 2, 'tp': 2}``, or ``('x',)`` for one axis that takes every device."""
+    return str(names) if sizes is None else str(dict(zip(names, sizes, strict=True)))
 
 
 def _check_local_list(devices, rank: int) -> None:

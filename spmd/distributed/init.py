@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import math
 import os
 import socket
@@ -36,16 +37,20 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
       timeout_s: bound in seconds of every cross-process wait (process-group collectives, store
         exchanges, the program fingerprint check); default ``$SPMD_DISTRIBUTED_TIMEOUT_S`` or 300.
       init_method, rank, world_size: as for ``torch.distributed.init_process_group``; default from
-        the torchrun environment.
+        the torchrun environment. ``init_method`` is ``tcp://host:port``, ``file:///path`` or
+        ``env://``; ``tcp://`` and ``file://`` need ``rank`` and ``world_size``.
     An already initialised default group is adopted as it is (its own timeout then bounds its
     collectives; ``timeout_s`` still bounds ``spmd``'s store exchanges and new sub-groups).
 
     Returns:
       This process's ``ProcessInfo`` (idempotent: a second call returns the first result).
     Raises:
-      ValueError: ``timeout_s`` (or ``$SPMD_DISTRIBUTED_TIMEOUT_S``) not a positive finite number,
-        or no launcher environment and no ``init_method``.
-      TypeError: ``backend`` not a str.
+      ValueError: ``timeout_s`` (or ``$SPMD_DISTRIBUTED_TIMEOUT_S``) not a positive finite number;
+        ``world_size`` < 1 or ``rank`` outside ``0 .. world_size - 1``; a backend that is unknown or
+        not available here (``"nccl"`` without CUDA); an ``init_method`` of another scheme, or a
+        ``tcp://`` / ``file://`` one without ``rank`` and ``world_size``; no launcher environment
+        and no ``init_method``.
+      TypeError: ``backend`` or ``init_method`` not a str, ``rank`` or ``world_size`` not an int.
       DistributedTimeoutError: some ranks did not join within ``timeout_s``.
     """
     state = st.current()
@@ -54,19 +59,21 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
     timeout_s = _timeout(timeout_s)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected a str such as 'gloo' or 'nccl', got {type(backend).__name__}")
+    _check_ranks(rank, world_size)
     if not dist.is_initialized():
         if init_method is None and not all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT")):
             raise ValueError("initialize: expected a torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, "
                              "MASTER_PORT) or init_method=..., got neither; launch with "
                              "'torchrun --nproc-per-node N script.py'")
+        _check_init_method(init_method, rank, world_size)
         backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        _check_backend(backend)
+        _import_group_defaults()
         dist.init_process_group(backend, init_method=init_method, rank=-1 if rank is None else rank,
                                 world_size=-1 if world_size is None else world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        # A process that exits with the group alive can abort in gloo's threads during interpreter
-        # teardown ("terminate called without an active exception", pytorch/pytorch#190489): the
-        # group spmd created is destroyed at exit while the interpreter still runs (a no-op after
-        # ``shutdown``; a group the caller initialised stays theirs).
+        # The group spmd created is destroyed at exit while the interpreter still runs (a no-op
+        # after ``shutdown``; a group the caller initialised stays theirs): see ``shutdown``.
         atexit.register(_shutdown_at_exit)
     store = dist.PrefixStore("spmd", dist.distributed_c10d._get_default_store())
     info = ProcessInfo(dist.get_rank(), dist.get_world_size(), (), timeout_s, str(dist.get_backend()))
@@ -76,6 +83,7 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
     index = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
     state.info = ProcessInfo(info.rank, info.world_size, tuple(index[n] for n in nodes), timeout_s, info.backend)
     st.set_state(state)
+    _install_excepthook()
     return state.info
 
 
@@ -108,7 +116,14 @@ def shutdown() -> None:
     ``destroy_process_group`` at different times can hang, pytorch/pytorch#75097). It is a store
     barrier bounded by ``LEAVE_BARRIER_S``: a peer that died or hangs delays this rank's exit by
     at most that long and raises nothing. After a cross-process wait of the run failed (a
-    ``DistributedTimeoutError``) the barrier is skipped.
+    ``DistributedTimeoutError``) the barrier is skipped; a process exiting on an uncaught
+    exception (``_install_excepthook``) marks itself as left and does not wait for the others.
+
+    ``spmd``'s own references to the groups are dropped before ``destroy_process_group``, so that
+    it frees them while the interpreter runs: a gloo group stops its worker threads only when it is
+    freed, and a worker thread that is still alive when the interpreter finalizes can abort the
+    process (see ``_import_group_defaults``). Programs compiled for the run stay with the ``jit``
+    objects that hold them, but calling them raises ValueError (``state.generation``).
     """
     state = st.current()
     st.set_state(None)
@@ -116,11 +131,17 @@ def shutdown() -> None:
     if state is None:
         return
     _LEAVES[0] += 1
-    if state.info.world_size > 1 and not state.failed:
+    info = state.info
+    if info.world_size > 1 and not state.failed:
         with contextlib.suppress(Exception):  # leaving never fails: a missing peer only bounds the wait
-            state.store.set(f"leave/{_LEAVES[0]}/{state.info.rank}", "1")
-            wait_keys(state, [f"leave/{_LEAVES[0]}/{r}" for r in range(state.info.world_size)],
-                      min(LEAVE_BARRIER_S, state.info.timeout_s))
+            state.store.set(f"leave/{_LEAVES[0]}/{info.rank}", "1")
+            if state.uncaught:
+                print(f"spmd.distributed: rank {info.rank} exits on an uncaught exception; it leaves the run "
+                      f"without waiting for the other ranks", file=sys.stderr, flush=True)
+            else:
+                wait_keys(state, [f"leave/{_LEAVES[0]}/{r}" for r in range(info.world_size)],
+                          min(LEAVE_BARRIER_S, info.timeout_s))
+    state.groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -157,3 +178,98 @@ def _timeout(timeout_s) -> float:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise ValueError(f"{name}: expected a positive finite number of seconds, got {shown!r}")
     return float(timeout_s)
+
+
+def _check_ranks(rank, world_size) -> None:
+    """TypeError for a ``rank`` / ``world_size`` that is not an int; ValueError for ``world_size`` < 1
+    or a ``rank`` outside ``0 .. world_size - 1`` (before torch.distributed tries to rendezvous)."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1 (the number of processes), got {world_size}")
+    if rank is not None and rank < 0:
+        raise ValueError(f"rank: expected an int >= 0, got {rank}")
+    if rank is not None and world_size is not None and rank >= world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+
+
+#: URL schemes of ``init_method`` (torch.distributed's rendezvous handlers).
+INIT_SCHEMES = ("tcp://", "file://", "env://")
+
+
+def _check_init_method(init_method, rank, world_size) -> None:
+    """TypeError for a non-str ``init_method``; ValueError for another scheme than ``INIT_SCHEMES``, or a
+    ``tcp://`` / ``file://`` one that gives neither the argument nor the URL query's ``rank`` / ``world_size``."""
+    if init_method is None:
+        return
+    if not isinstance(init_method, str):
+        raise TypeError(f"init_method: expected a str such as 'tcp://host:port', got {type(init_method).__name__}")
+    if not init_method.startswith(INIT_SCHEMES):
+        raise ValueError(f"init_method: expected a URL starting with one of {list(INIT_SCHEMES)}, "
+                         f"got {init_method!r}")
+    if init_method.startswith("env://"):
+        return
+    query = init_method.partition("?")[2]
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is None and f"{name}=" not in query:
+            raise ValueError(f"{name}: init_method {init_method.split('://')[0]}:// needs rank= and world_size=, "
+                             f"got {name}=None")
+
+
+def _check_backend(backend: str) -> None:
+    """ValueError for a backend (or, in ``"cpu:gloo,cuda:nccl"`` form, a part of it) that torch.distributed
+    does not know or that is not available here: not built in, or ``"nccl"`` without CUDA."""
+    usable = _usable_backends()
+    for part in backend.split(","):
+        name = part.strip().rpartition(":")[2].lower()
+        if usable.get(name, False):
+            continue
+        why = ("unknown" if name not in usable else "not available here: it needs CUDA devices, and none is present"
+               if name == "nccl" and dist.is_nccl_available() else "not built into this PyTorch")
+        raise ValueError(f"backend: expected one of the backends available here "
+                         f"{[b for b, ok in usable.items() if ok]}, got {backend!r} ({name!r} is {why})")
+
+
+def _usable_backends() -> dict[str, bool]:
+    """Every backend name torch.distributed knows -> whether it can run here (registered third-party ones: True)."""
+    checks = {"gloo": dist.is_gloo_available, "mpi": dist.is_mpi_available, "ucc": dist.is_ucc_available,
+              "nccl": lambda: dist.is_nccl_available() and torch.cuda.is_available(),
+              "xccl": lambda: getattr(dist, "is_xccl_available", lambda: False)(), "undefined": lambda: False}
+    return {name: checks[name]() if name in checks else True for name in dist.Backend.backend_list}
+
+
+def _import_group_defaults() -> None:
+    """Import, before the default group exists, the torch module whose functions take it as a default argument.
+
+    ``torch.distributed.nn.functional`` evaluates ``group=group.WORLD`` when it is imported, and
+    ``torch._dynamo`` imports it, so the first ``torch.export`` of an ``spmd.jit`` program does:
+    imported after ``init_process_group``, its ten functions' defaults hold the default group, which
+    ``destroy_process_group`` then cannot free. A gloo group stops its worker threads only when it is
+    freed, so they stay alive until the process exits; a worker that releases a finished collective's
+    tensors then takes the GIL, and doing so while the interpreter finalizes ends the thread inside a
+    destructor, which aborts the process ("terminate called without an active exception", exit code
+    -6). Imported first, the defaults are None.
+    """
+    importlib.import_module("torch.distributed.nn.functional")
+
+
+_HOOKED = [False]
+
+
+def _install_excepthook() -> None:
+    """Wrap ``sys.excepthook`` (once per process): an uncaught exception marks the run's state, so the
+    ``shutdown`` at exit writes this rank's leave key without waiting for the others (its peers,
+    blocked on it or not, are not kept waiting either). The previous hook still prints the error."""
+    if _HOOKED[0]:
+        return
+    _HOOKED[0] = True
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        state = st.current()
+        if state is not None:
+            state.uncaught = True
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

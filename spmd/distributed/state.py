@@ -44,6 +44,7 @@ class _State:
     groups: dict = field(default_factory=dict)  # sorted rank tuple -> process group, created once
     counters: dict = field(default_factory=lambda: {})
     failed: bool = False  # a cross-process wait of this run timed out or lost a peer
+    uncaught: bool = False  # the process is exiting on an uncaught exception (shutdown does not wait for peers)
 
     def next_id(self, kind: str) -> int:
         """A per-process sequence number of ``kind`` (equal on every rank that runs the same program)."""
@@ -56,6 +57,7 @@ class _State:
 
 
 _STATE: _State | None = None
+_GENERATION = 0
 
 
 def current() -> _State | None:
@@ -64,8 +66,19 @@ def current() -> _State | None:
 
 
 def set_state(state: _State | None) -> None:
-    global _STATE
+    global _STATE, _GENERATION
     _STATE = state
+    _GENERATION += 1
+
+
+def generation() -> int:
+    """A number that changes whenever this process joins or leaves a run.
+
+    Programs compiled for a multi-process mesh hold the run's communicators: they are valid only
+    while the generation they were compiled in lasts (``spmd.jit`` objects recompile when it
+    changed, ``Compiled`` programs raise ValueError).
+    """
+    return _GENERATION
 
 
 def require(what: str) -> _State:
@@ -74,3 +87,11 @@ def require(what: str) -> _State:
         raise ValueError(f"{what}: needs a multi-process run; call spmd.distributed.initialize() first "
                          "(or launch with torchrun)")
     return _STATE
+
+
+def run_ended(what: str) -> None:
+    """Raise ValueError naming ``what``, a program compiled in a run that has ended: the message of
+    ``require`` when no run is joined now, else one that asks to compile it again."""
+    require(what)
+    raise ValueError(f"{what}: compiled for a multi-process run that has ended (spmd.distributed.shutdown); "
+                     f"compile it again in this run (an spmd.jit function does so when called)")

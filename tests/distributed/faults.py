@@ -117,3 +117,44 @@ def leave_worker(rank: int, world: int, init_method: str, out: str, mode: str) -
     start = time.monotonic()
     spmd.distributed.shutdown()
     _write(out, rank, f"{time.monotonic() - start} {time.time()}")
+
+
+def mesh_agreement_worker(rank: int, world: int, init_method: str, out: str) -> None:
+    """``Mesh.create`` with other axes on rank 1 (names in another order, other sizes, an invalid
+    argument on rank 1 only): every rank raises. Then an agreed mesh is still built."""
+    init(rank, world, init_method, timeout_s=60)
+    try:
+        lines = [
+            "order: " + _catch(lambda: Mesh.create({"dp": 2, "tp": 2} if rank == 0 else {"tp": 2, "dp": 2},
+                                                   devices="cpu:2")),
+            "sizes: " + _catch(lambda: Mesh.create({"x": 4} if rank == 0 else {"x": 2, "y": 2}, devices="cpu:2")),
+            "invalid: " + _catch(lambda: Mesh.create(("x",) if rank == 0 else ("x", "x"), devices="cpu:2")),
+            "agreed: " + repr(Mesh.create({"dp": world, "tp": 2}, devices="cpu:2")),
+        ]
+        _write(out, rank, "\n".join(lines))
+    finally:
+        spmd.distributed.shutdown()
+
+
+def local_data_agreement_worker(rank: int, world: int, init_method: str, out: str) -> None:
+    """``make_array_from_process_local_data`` over ``dp`` across 2 processes of global shape [7, 4]
+    (blocks of 4 and 3 rows): the right uneven blocks build the array; a wrong block, a dtype or a
+    global shape of another rank on rank 1 only make every rank raise the same error."""
+    init(rank, world, init_method, timeout_s=60)
+    try:
+        mesh = Mesh.create({"dp": world, "tp": 2}, devices="cpu:2")
+        sh = NamedSharding(mesh, P("dp"))
+        value = torch.randn(7, 4, generator=torch.Generator().manual_seed(3))
+        block = value[:4] if rank == 0 else value[4:]
+        a = spmd.distributed.make_array_from_process_local_data(sh, block, (7, 4))
+        exact = all(torch.equal(s.data, value[s.index]) for s in a.addressable_shards)
+        make = spmd.distributed.make_array_from_process_local_data
+        lines = [
+            f"uneven: {tuple(a.shape)} {exact}",
+            "block: " + _catch(lambda: make(sh, value[:4], (7, 4))),  # rank 1's block has 3 rows
+            "dtype: " + _catch(lambda: make(sh, block if rank == 0 else block.double(), (7, 4))),
+            "dims: " + _catch(lambda: make(sh, block, (7, 4) if rank == 0 else (7,))),
+        ]
+        _write(out, rank, "\n".join(lines))
+    finally:
+        spmd.distributed.shutdown()

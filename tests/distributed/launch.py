@@ -3,7 +3,9 @@
 ``spawn(fn, world, *args)`` runs ``fn(rank, world, init_method, *args)`` in ``world`` fresh
 processes (``torch.multiprocessing`` spawn) and raises when one fails; after ``timeout_s`` every
 process still alive is killed and the test fails. ``torchrun(...)`` runs real torchrun agents
-(one per simulated host) as subprocesses with the same bound.
+(one per simulated host) as subprocesses with the same bound. ``scripts(world, argv)`` runs a
+script as ``world`` plain interpreter processes, so that what happens when a script ends (an
+uncaught exception, exit handlers) is the interpreter's own.
 """
 
 from __future__ import annotations
@@ -47,6 +49,38 @@ def spawn(fn, world: int, *args, timeout_s: float = TIMEOUT_S, allow_fail: bool 
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def scripts(world: int, argv: list[str], timeout_s: float = TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """Run ``python <argv>`` as ranks ``0 .. world - 1`` (environment ``RANK``, ``WORLD_SIZE`` and
+    ``INIT_METHOD``, a ``file://`` store); returns the finished processes, output captured as text.
+
+    Raises TimeoutError showing every rank's output when one still runs after ``timeout_s``."""
+    store = Path(tempfile.mkdtemp()) / "store"
+    logs = Path(tempfile.mkdtemp())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "WORLD_SIZE": str(world), "INIT_METHOD": f"file://{store}"}
+        with open(logs / f"{rank}.out", "w") as out, open(logs / f"{rank}.err", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=out, stderr=err))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        hung = [rank for rank, p in enumerate(procs) if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    out = [subprocess.CompletedProcess(p.args, p.returncode, (logs / f"{r}.out").read_text(),
+                                       (logs / f"{r}.err").read_text()) for r, p in enumerate(procs)]
+    if hung:
+        shown = "\n".join(f"--- rank {r} (exit {c.returncode}):\n{c.stdout}\n{c.stderr[-3000:]}"
+                           for r, c in enumerate(out))
+        raise TimeoutError(f"ranks {hung} still running after {timeout_s} s\n{shown}")
+    return out
 
 
 def free_port() -> int:

@@ -2,7 +2,8 @@
 
 A rank that compiled another program, a rank that dies mid-step (the others fail within the
 configured bound), and bad input (world size, per-process devices, a device of another process,
-``to_torch`` of a non-addressable array, local data whose shape disagrees across ranks).
+``to_torch`` of a non-addressable array, local data whose shape disagrees across ranks, mesh axes
+or a local block that is wrong on one rank only: every rank raises).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from faults import bad_input_worker, dying_worker, leave_worker
+from faults import bad_input_worker, dying_worker, leave_worker, local_data_agreement_worker, mesh_agreement_worker
 from launch import spawn
 
 TIMEOUT_S = 10.0
@@ -52,6 +53,40 @@ def test_bad_input_and_a_mismatched_program_are_clear_errors_naming_ranks(tmp_pa
         assert got["mismatch"].startswith("ProgramMismatchError: program 'mlp'"), got["mismatch"]
         assert "rank 0 run mlp(float32[8, 16]" in got["mismatch"], got["mismatch"]
         assert "rank 1 run mlp(float32[6, 16]" in got["mismatch"], got["mismatch"]
+
+
+def _lines(out: Path, world: int) -> list[dict[str, str]]:
+    return [dict(line.split(": ", 1) for line in text.splitlines()) for text in _read(out, world)]
+
+
+def test_ranks_creating_different_meshes_all_raise(tmp_path):
+    spawn(mesh_agreement_worker, 2, str(tmp_path))
+    ranks = _lines(tmp_path, 2)
+    for got in ranks:
+        assert got["order"] == ("ValueError: axes: every process must name the same mesh axes (names and sizes, in "
+                                "order), got rank 0 {'dp': 2, 'tp': 2}; rank 1 {'tp': 2, 'dp': 2}"), got["order"]
+        assert got["sizes"].startswith("ValueError: axes: every process must name the same mesh axes"), got["sizes"]
+        assert "rank 0 {'x': 4}; rank 1 {'x': 2, 'y': 2}" in got["sizes"], got["sizes"]
+        assert got["agreed"] == "Mesh({'dp': 2, 'tp': 2}, devices=2 processes x cpu:0-1)", got["agreed"]
+    assert ranks[1]["invalid"].startswith("ValueError: axes: expected unique axis names"), ranks[1]["invalid"]
+    assert ranks[0]["invalid"] == f"ValueError: Mesh.create failed on rank 1: {ranks[1]['invalid'][12:]}"
+
+
+def test_local_blocks_are_checked_on_every_rank(tmp_path):
+    """Each rank's block is checked against its own place in the global array (blocks of unequal size
+    are fine), and a bad block on one rank is an error on every rank, not on that rank alone."""
+    spawn(local_data_agreement_worker, 2, str(tmp_path))
+    ranks = _lines(tmp_path, 2)
+    for what in ("block", "dtype", "dims"):
+        assert ranks[0][what] == ranks[1][what], what  # the same error on every rank
+    got = ranks[0]
+    assert got["uneven"] == "(7, 4) True", got["uneven"]
+    assert got["block"].startswith("ValueError: make_array_from_process_local_data failed on rank 1: rank 1 "
+                                   "(local_data float32[4, 4]): local_data: expected shape [3, 4]"), got["block"]
+    assert got["dtype"] == ("ValueError: local_data: processes disagree on the global array: rank 0 give global "
+                            "float32[7, 4]; rank 1 give global float64[7, 4]; expected the same global shape and "
+                            "dtype on every rank"), got["dtype"]
+    assert "failed on rank 1: rank 1 (local_data float32[3, 4]): global_shape: expected 2 dims" in got["dims"]
 
 
 @pytest.mark.parametrize("mode", ["order", "absent", "failed"])

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import torch.distributed as dist
+from launch import free_port
 
 import spmd
 from spmd import Mesh
@@ -28,6 +32,68 @@ def test_initialize_without_a_launcher_is_a_clear_error(monkeypatch):
         spmd.distributed.initialize(timeout_s=-1)
     with pytest.raises(TypeError, match="backend: expected a str"):
         spmd.distributed.initialize(backend=3)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"rank": 5, "world_size": 2}, ValueError, "rank: expected 0 <= rank < world_size = 2, got 5"),
+    ({"rank": -3, "world_size": 2}, ValueError, "rank: expected an int >= 0, got -3"),
+    ({"rank": 0, "world_size": 0}, ValueError, "world_size: expected an int >= 1 (the number of processes), got 0"),
+    ({"rank": "0", "world_size": 2}, TypeError, "rank: expected an int, got str '0'"),
+    ({"rank": 0, "world_size": 2.0}, TypeError, "world_size: expected an int, got float 2.0"),
+    ({"rank": 0}, ValueError, "world_size: init_method tcp:// needs rank= and world_size=, got world_size=None"),
+    ({"rank": 0, "world_size": 1, "backend": "bogus"}, ValueError, "backend: expected one of the backends available "
+                                                                   "here ['gloo'"),
+    ({"init_method": "bogus://x", "rank": 0, "world_size": 1}, ValueError,
+     "init_method: expected a URL starting with one of ['tcp://', 'file://', 'env://'], got 'bogus://x'"),
+    ({"init_method": 5, "rank": 0, "world_size": 1}, TypeError, "init_method: expected a str"),
+])
+def test_initialize_arguments_are_checked_before_the_rendezvous(kwargs, error, message):
+    """A bad rank or world size used to reach torch.distributed's rendezvous (C++ stack dumps, a
+    DistNetworkError after the timeout); a bad backend or URL scheme a raw RuntimeError."""
+    kwargs = {"init_method": f"tcp://127.0.0.1:{free_port()}", **kwargs}
+    with pytest.raises(error, match=re.escape(message)):
+        spmd.distributed.initialize(timeout_s=5, **kwargs)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL is available where CUDA is")
+def test_nccl_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"backend: expected one of the backends available here \['gloo'.*got 'nccl' "
+                                         r"\('nccl' is (not built into this PyTorch|not available here)"):
+        spmd.distributed.initialize("nccl", 5, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    assert not dist.is_initialized()
+
+
+def test_global_shape_that_does_not_fit_is_a_value_error_naming_it():
+    """``global_shape`` of another rank than ``local_data`` used to fail an assertion in ``shard_dims``."""
+    mesh = Mesh.create({"tp": 2}, devices="cpu:2")
+    sharding = spmd.NamedSharding(mesh, spmd.PartitionSpec("tp"))
+    make = spmd.distributed.make_array_from_process_local_data
+    with pytest.raises(ValueError, match=re.escape("global_shape: expected 2 dims, as local_data (shape [4, 4]; "
+                                                   "partition spec P('tp')), got [4] (1 dims)")):
+        make(sharding, torch.randn(4, 4), global_shape=(4,))
+    with pytest.raises(ValueError, match=re.escape("global_shape: expected non-negative dims, got (4, -4)")):
+        make(sharding, torch.randn(4, 4), global_shape=(4, -4))
+    with pytest.raises(ValueError, match=re.escape("local_data: expected at least 2 dims (one per entry of the "
+                                                   "partition spec P('tp', None)), got shape [4]")):
+        make(spmd.NamedSharding(mesh, spmd.PartitionSpec("tp", None)), torch.randn(4))
+    torch.testing.assert_close(make(sharding, torch.ones(4, 4), global_shape=[4, 4]).to_torch(), torch.ones(4, 4))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("44", None), "global_shape: expected a tuple of ints such as (8, 4), got str '44'"),
+    ((4, None), "global_shape: expected a tuple of ints such as (8, 4), got int 4"),
+    (((4, 3.0), None), "global_shape: expected a tuple of ints, got (4, 3.0)"),
+    (((4, 3), 5), "data_callback: expected a callable index -> torch.Tensor, got int 5"),
+])
+def test_make_array_from_callback_argument_types_are_named(args, message):
+    mesh = Mesh.create({"x": 2}, devices="cpu:2")
+    shape, callback = args
+    sharding = spmd.NamedSharding(mesh, spmd.PartitionSpec("x"))
+    with pytest.raises(TypeError, match=re.escape(message)):
+        spmd.distributed.make_array_from_callback(shape, sharding, callback or (lambda index: torch.zeros(4, 3)[index]))
+    with pytest.raises(ValueError, match=re.escape("global_shape: expected non-negative dims, got (-4, 3)")):
+        spmd.distributed.make_array_from_callback((-4, 3), sharding, lambda index: torch.zeros(4, 3)[index])
 
 
 @pytest.mark.parametrize("text", ["-5", "0", "abc", "nan", "inf"])
