@@ -4,7 +4,8 @@ Every process of a multi-controller run must execute the same sequence of progra
 multi-controller model); a rank that compiled another program (other shapes, dtypes, shardings,
 options or code) would otherwise deadlock or compute garbage in the first mismatched collective.
 At its first execution each program publishes a SHA-256 of its final HLO text, mesh, shardings,
-donation and options through the store (a bounded exchange) and compares it with every rank's.
+donation, options and cross-process reduction mode through the store (a bounded exchange) and
+compares it with every rank's.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from spmd.distributed.store import all_gather_str
 
 def fingerprint(compiled: Any) -> tuple[str, str]:
     """(SHA-256 hex digest of the program, a short description ``name(f32[8,16], ...)``)."""
+    from spmd.runtime.comm.multiprocess import reduce_mode
+
     h = hashlib.sha256()
+    # the cross-process reduction ($SPMD_DISTRIBUTED_REDUCE) decides which collectives run: ranks
+    # that differ in it would wait in different collectives
     for part in (str(compiled.module), repr(compiled.mesh), str(compiled.mesh.process_ids),
+                 reduce_mode(compiled.mesh.platform == "cuda"),
                  repr(compiled.lowered.jitted.options), repr(sorted(compiled._donated)),
                  repr(compiled.input_shardings), repr(compiled.output_shardings)):
         h.update(part.encode())

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from spmd.distributed import state as st
+from spmd.distributed.errors import DistributedTimeoutError
 from spmd.distributed.state import ProcessInfo, _State
 from spmd.distributed.store import all_gather_str, wait_keys
 
@@ -48,10 +49,13 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
       ValueError: ``timeout_s`` (or ``$SPMD_DISTRIBUTED_TIMEOUT_S``) not a positive finite number;
         ``world_size`` < 1 or ``rank`` outside ``0 .. world_size - 1``; a backend that is unknown or
         not available here (``"nccl"`` without CUDA); an ``init_method`` of another scheme, or a
-        ``tcp://`` / ``file://`` one without ``rank`` and ``world_size``; no launcher environment
-        and no ``init_method``.
+        ``tcp://`` / ``file://`` one without ``rank`` and ``world_size``, a ``file://`` path in a
+        missing directory; ``rank`` / ``world_size`` other than the launcher's ``RANK`` /
+        ``WORLD_SIZE``; a second run of this process on the launcher's store (``env://``: pass a
+        fresh ``init_method``); no launcher environment and no ``init_method``.
       TypeError: ``backend`` or ``init_method`` not a str, ``rank`` or ``world_size`` not an int.
-      DistributedTimeoutError: some ranks did not join within ``timeout_s``.
+      DistributedTimeoutError: some ranks did not join within ``timeout_s`` (also two processes with
+        one rank, or processes that disagree on ``world_size``).
     """
     state = st.current()
     if state is not None:
@@ -69,9 +73,7 @@ def initialize(backend: str | None = None, timeout_s: float | None = None, *, in
         backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         _check_backend(backend)
         _import_group_defaults()
-        dist.init_process_group(backend, init_method=init_method, rank=-1 if rank is None else rank,
-                                world_size=-1 if world_size is None else world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        _join(backend, init_method, rank, world_size, timeout_s)
         # The group spmd created is destroyed at exit while the interpreter still runs (a no-op
         # after ``shutdown``; a group the caller initialised stays theirs): see ``shutdown``.
         atexit.register(_shutdown_at_exit)
@@ -180,6 +182,35 @@ def _timeout(timeout_s) -> float:
     return float(timeout_s)
 
 
+_ENV_RUNS = [0]  # default groups this process created on the launcher's store (env://): not reusable
+
+
+def _join(backend: str, init_method: str | None, rank: int | None, world_size: int | None, timeout_s: float) -> None:
+    """``init_process_group`` (the rendezvous), with its failures as spmd's errors: a rendezvous that
+    did not complete within ``timeout_s`` (ranks missing, two processes with one rank, a world size
+    the processes disagree on) is a ``DistributedTimeoutError``."""
+    on_env = init_method is None or init_method.startswith("env://")
+    if on_env and _ENV_RUNS[0]:
+        raise ValueError("init_method: this process already left a run (spmd.distributed.shutdown); another run "
+                         "on the launcher's store (env://) can read the connection keys the ended run left there, "
+                         "got init_method=None; pass a fresh one (tcp://host:NEW_PORT or file:///NEW_FILE)")
+    if on_env:
+        for name, value, env in (("rank", rank, "RANK"), ("world_size", world_size, "WORLD_SIZE")):
+            if value is not None and os.environ.get(env, str(value)) != str(value):
+                raise ValueError(f"{name}: the launcher set {env}={os.environ[env]}, got {name}={value}; leave it "
+                                 "out under torchrun")
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=-1 if rank is None else rank,
+                                world_size=-1 if world_size is None else world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except dist.DistStoreError as e:
+        raise DistributedTimeoutError(
+            f"initialize: not every process joined within {timeout_s:g} s (rank {rank}, world_size {world_size}): "
+            f"{str(e).splitlines()[0][:300]}; every process must pass the same world_size and its own rank",
+            op="initialize") from e
+    _ENV_RUNS[0] += on_env
+
+
 def _check_ranks(rank, world_size) -> None:
     """TypeError for a ``rank`` / ``world_size`` that is not an int; ValueError for ``world_size`` < 1
     or a ``rank`` outside ``0 .. world_size - 1`` (before torch.distributed tries to rendezvous)."""
@@ -210,6 +241,11 @@ def _check_init_method(init_method, rank, world_size) -> None:
                          f"got {init_method!r}")
     if init_method.startswith("env://"):
         return
+    if init_method.startswith("file://"):
+        folder = os.path.dirname(init_method[len("file://"):].partition("?")[0]) or "."
+        if not os.path.isdir(folder):
+            raise ValueError(f"init_method: expected a file:// path in an existing directory, got {init_method!r} "
+                             f"({folder!r} does not exist)")
     query = init_method.partition("?")[2]
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is None and f"{name}=" not in query:
@@ -221,8 +257,13 @@ def _check_backend(backend: str) -> None:
     """ValueError for a backend (or, in ``"cpu:gloo,cuda:nccl"`` form, a part of it) that torch.distributed
     does not know or that is not available here: not built in, or ``"nccl"`` without CUDA."""
     usable = _usable_backends()
+    devices = dist.Backend.default_device_backend_map
     for part in backend.split(","):
-        name = part.strip().rpartition(":")[2].lower()
+        device, _, name = part.strip().rpartition(":")
+        name = name.lower()
+        if ":" in part and device.lower() not in devices:
+            raise ValueError(f"backend: expected device:backend pairs with a device of {sorted(devices)}, got "
+                             f"{backend!r} ({device!r} is no such device)")
         if usable.get(name, False):
             continue
         why = ("unknown" if name not in usable else "not available here: it needs CUDA devices, and none is present"
@@ -273,3 +314,8 @@ def _install_excepthook() -> None:
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+# At import too: a default group the caller creates after importing spmd (and adopts through
+# ``initialize``) is then not held by those defaults either.
+_import_group_defaults()

@@ -88,6 +88,11 @@ def bad_input_worker(rank: int, world: int, init_method: str, out: str) -> None:
         x, w1, w2 = torch.randn(batch, 16), torch.randn(16, 32), torch.randn(32, 16)
         f = spmd.jit(mlp, mesh=mesh, in_shardings=(P("dp"), P(), P()), out_shardings=P("dp"))
         lines.append("mismatch: " + _catch(lambda: f(x, w1, w2)))
+        # ranks that reduce across processes differently would wait in different collectives
+        os.environ["SPMD_DISTRIBUTED_REDUCE"] = "gather" if rank == 0 else "reduce"
+        x = torch.randn(8, 16)
+        g = spmd.jit(two_layers, mesh=mesh, in_shardings=(P("dp"), P(), P()), out_shardings=P("dp"))
+        lines.append("reduce-mode: " + _catch(lambda: g(x, w1, w2)))
         _write(out, rank, "\n".join(lines))
     finally:
         spmd.distributed.shutdown()

@@ -53,6 +53,7 @@ def test_bad_input_and_a_mismatched_program_are_clear_errors_naming_ranks(tmp_pa
         assert got["mismatch"].startswith("ProgramMismatchError: program 'mlp'"), got["mismatch"]
         assert "rank 0 run mlp(float32[8, 16]" in got["mismatch"], got["mismatch"]
         assert "rank 1 run mlp(float32[6, 16]" in got["mismatch"], got["mismatch"]
+        assert got["reduce-mode"].startswith("ProgramMismatchError: program 'two_layers'"), got["reduce-mode"]
 
 
 def _lines(out: Path, world: int) -> list[dict[str, str]]:

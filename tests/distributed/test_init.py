@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -46,6 +48,10 @@ def test_initialize_without_a_launcher_is_a_clear_error(monkeypatch):
     ({"init_method": "bogus://x", "rank": 0, "world_size": 1}, ValueError,
      "init_method: expected a URL starting with one of ['tcp://', 'file://', 'env://'], got 'bogus://x'"),
     ({"init_method": 5, "rank": 0, "world_size": 1}, TypeError, "init_method: expected a str"),
+    ({"rank": 0, "world_size": 1, "backend": "tpu:gloo"}, ValueError,
+     "got 'tpu:gloo' ('tpu' is no such device)"),  # the device list is torch's, which plugins extend
+    ({"init_method": "file:///nonexistent-dir/x", "rank": 0, "world_size": 1}, ValueError,
+     "init_method: expected a file:// path in an existing directory, got 'file:///nonexistent-dir/x'"),
 ])
 def test_initialize_arguments_are_checked_before_the_rendezvous(kwargs, error, message):
     """A bad rank or world size used to reach torch.distributed's rendezvous (C++ stack dumps, a
@@ -161,3 +167,50 @@ def test_a_group_spmd_created_is_destroyed_at_exit(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "joined", run.stderr[-2000:]
     assert "terminate called" not in run.stderr
+
+
+def test_a_rendezvous_that_does_not_complete_is_a_distributed_timeout_error():
+    """One of two processes (or two processes with one rank) never completes the rendezvous: the
+    store's timeout used to reach the user as torch's DistStoreError."""
+    with pytest.raises(spmd.distributed.DistributedTimeoutError,
+                       match="initialize: not every process joined within 2 s"):
+        spmd.distributed.initialize(timeout_s=2, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2)
+    assert not dist.is_initialized()
+
+
+def test_launcher_rank_and_world_size_win_and_a_second_env_run_is_refused(monkeypatch):
+    """Under a launcher, a world_size or rank other than its WORLD_SIZE / RANK is a ValueError (each
+    process used to run alone); a second run of a process on the launcher's store is refused (its
+    ended run's connection keys are still there: a peer that leaves later made the rendezvous fail)."""
+    monkeypatch.setattr(spmd.distributed.init, "_ENV_RUNS", [0])  # no env:// run of this process before
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=re.escape("world_size: the launcher set WORLD_SIZE=1, got world_size=2")):
+        spmd.distributed.initialize(timeout_s=5, world_size=2)
+    assert not dist.is_initialized()
+    spmd.distributed.initialize(timeout_s=5)
+    spmd.distributed.shutdown()
+    with pytest.raises(ValueError, match="init_method: this process already left a run"):
+        spmd.distributed.initialize(timeout_s=5)
+    assert not dist.is_initialized()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    assert spmd.distributed.initialize(timeout_s=5, init_method=init_method, rank=0, world_size=1).world_size == 1
+    spmd.distributed.shutdown()
+
+
+def test_a_default_group_created_after_importing_spmd_is_not_held_by_torch_defaults():
+    """``torch.distributed.nn.functional`` evaluates ``group=group.WORLD`` at import; imported after the
+    caller's ``init_process_group`` (``torch.export`` imports it), it held the group, whose gloo threads
+    then outlived it and could abort the process at exit. ``import spmd`` imports it first."""
+    code = (
+        "import spmd, torch.distributed as d\n"
+        f"d.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "import torch.distributed.nn.functional as F\n"
+        "held = [n for n, f in vars(F).items() if callable(f) and any(isinstance(v, d.ProcessGroup)\n"
+        "        for v in getattr(f, '__defaults__', None) or ())]\n"
+        "d.destroy_process_group()\n"
+        "print('held', held)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "held []" in out.stdout, (out.stdout, out.stderr[-2000:])
