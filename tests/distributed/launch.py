@@ -69,18 +69,24 @@ def scripts(world: int, argv: list[str], timeout_s: float = TIMEOUT_S) -> list[s
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
-        hung = [rank for rank, p in enumerate(procs) if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    out = [subprocess.CompletedProcess(p.args, p.returncode, (logs / f"{r}.out").read_text(),
-                                       (logs / f"{r}.err").read_text()) for r, p in enumerate(procs)]
+        hung, out = _finish(procs, logs)
     if hung:
         shown = "\n".join(f"--- rank {r} (exit {c.returncode}):\n{c.stdout}\n{c.stderr[-3000:]}"
                            for r, c in enumerate(out))
         raise TimeoutError(f"ranks {hung} still running after {timeout_s} s\n{shown}")
     return out
+
+
+def _finish(procs: list, logs: Path) -> tuple[list[int], list[subprocess.CompletedProcess]]:
+    """Kill the processes still running; (their indices, every process with its ``<i>.out`` / ``<i>.err``)."""
+    hung = [i for i, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    out = [subprocess.CompletedProcess(p.args, p.returncode, (logs / f"{i}.out").read_text(),
+                                       (logs / f"{i}.err").read_text()) for i, p in enumerate(procs)]
+    return hung, out
 
 
 def free_port() -> int:
@@ -117,13 +123,7 @@ def torchrun(nnodes: int, nproc: int, argv: list[str], timeout_s: float = TIMEOU
                 break
             time.sleep(0.2)
     finally:
-        hung = [node for node, p in enumerate(procs) if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    out = [subprocess.CompletedProcess(p.args, p.returncode, (logs / f"{node}.out").read_text(),
-                                       (logs / f"{node}.err").read_text()) for node, p in enumerate(procs)]
+        hung, out = _finish(procs, logs)
     if hung and not any(p.returncode not in (0, -9) for p in procs):  # a hang, not a failure
         shown = "\n".join(f"--- node {n} (exit {r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}"
                           for n, r in enumerate(out))
