@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from spmd.array import ShardedArray
-from spmd.distributed.errors import fmt_ranks
+from spmd.distributed.errors import fmt_ranks, ranks_by_value
 from spmd.distributed.state import current, require
 from spmd.distributed.store import all_gather_str
 from spmd.sharding import NamedSharding, PartitionSpec
@@ -176,16 +176,12 @@ def _agree(local_data: torch.Tensor, shape: tuple[int, ...] | None, error: Excep
                        "local": f"{dtype}{list(local_data.shape)}", "error": None if error is None else str(error)})
     got = [json.loads(v) for v in all_gather_str(state, f"local_data/{seq}", mine,
                                                   "make_array_from_process_local_data")]
-    failed: dict[str, list[int]] = {}
-    for r, v in enumerate(got):
-        if v["error"] is not None:
-            failed.setdefault(v["error"], []).append(r)
+    failed = ranks_by_value(v["error"] for v in got)
+    failed.pop(None, None)
     if failed:
         said = "; ".join(f"{fmt_ranks(rs)} (local_data {got[rs[0]]['local']}): {e}" for e, rs in failed.items())
         raise ValueError(f"make_array_from_process_local_data failed on {fmt_ranks(sum(failed.values(), []))}: {said}")
-    views: dict[str, list[int]] = {}
-    for r, v in enumerate(got):
-        views.setdefault(v["global"], []).append(r)
+    views = ranks_by_value(v["global"] for v in got)
     if len(views) > 1:
         said = "; ".join(f"{fmt_ranks(rs)} give global {v}" for v, rs in views.items())
         raise ValueError(f"local_data: processes disagree on the global array: {said}; expected the same global "

@@ -19,6 +19,15 @@ class ProgramMismatchError(ValueError):
     """Processes compiled different programs (shapes, options or code differ) for the same call."""
 
 
+def ranks_by_value(values) -> dict:
+    """Each distinct value of ``values`` (one per rank, in rank order) -> the ranks that hold it, in
+    order of first appearance: what an error about ranks that disagree lists."""
+    groups: dict = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return groups
+
+
 def fmt_ranks(ranks) -> str:
     """``ranks [0, 2]`` / ``rank 1``."""
     ranks = sorted(ranks)

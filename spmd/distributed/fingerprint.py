@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from spmd.distributed.errors import ProgramMismatchError, fmt_ranks
+from spmd.distributed.errors import ProgramMismatchError, fmt_ranks, ranks_by_value
 from spmd.distributed.store import all_gather_str
 
 
@@ -49,10 +49,7 @@ def check_same_program(state: Any, compiled: Any) -> int:
                          f"first execution #{seq} (program fingerprint check)", program=compiled.name)
     if len(set(got)) == 1:
         return seq
-    groups: dict[str, list[int]] = {}
-    for r, v in enumerate(got):
-        groups.setdefault(v, []).append(r)
-    said = "; ".join(f"{fmt_ranks(rs)} run {v.split('|', 1)[1]} [{v[:12]}]" for v, rs in groups.items())
+    said = "; ".join(f"{fmt_ranks(rs)} run {v.split('|', 1)[1]} [{v[:12]}]" for v, rs in ranks_by_value(got).items())
     raise ProgramMismatchError(
         f"program {compiled.name!r}: processes compiled different programs for execution #{seq}: {said}; every "
         "process must call the same spmd.jit functions with the same shapes, dtypes, shardings and options, "

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from spmd.distributed.errors import fmt_ranks
+from spmd.distributed.errors import fmt_ranks, ranks_by_value
 from spmd.distributed.state import _State
 from spmd.distributed.store import all_gather_str
 from spmd.ir.sharding import MeshShape
@@ -61,10 +61,7 @@ def create_global(state: _State, axes, devices):
     for what, expected in (("axes", "the same mesh axes (names and sizes, in order)"),
                            ("devices", "the same number of local devices")):
         if len({v[what] for v in views}) != 1:
-            groups: dict[str, list[int]] = {}
-            for r, v in enumerate(views):
-                groups.setdefault(v[what], []).append(r)
-            said = "; ".join(f"{fmt_ranks(rs)} {v}" for v, rs in groups.items())
+            said = "; ".join(f"{fmt_ranks(rs)} {v}" for v, rs in ranks_by_value(v[what] for v in views).items())
             raise ValueError(f"{what}: every process must name {expected}, got {said}")
     total = world * len(ids)
     if sizes is None:

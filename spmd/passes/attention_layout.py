@@ -35,6 +35,7 @@ from __future__ import annotations
 from spmd.ir.builder import Builder
 from spmd.ir.hlo import Computation, Instruction, Module, Shape
 from spmd.passes.fuse_update_slice import is_update_root
+from spmd.passes.simplify import output_ids
 
 #: Attention custom-call targets whose output follows q's memory order (inference attention).
 _TARGETS = frozenset({"attention"})
@@ -49,7 +50,7 @@ def attention_operand_layouts(module: Module, builder: Builder, comp: Computatio
     done = 0
     for call in [i for i in comp.instructions if _is_attention(i)]:
         for index in (0, 1):  # q, then k
-            users, outputs = comp.users(), _output_ids(comp)
+            users, outputs = comp.users(), output_ids(comp)
             f = call.operands[index]
             if not _rewritable(f, call, users, outputs) or is_update_root(f.attrs["calls"].root):
                 continue
@@ -71,11 +72,6 @@ def _is_attention(inst: Instruction) -> bool:
         return False
     dims = inst.shape.dims if not inst.shape.is_tuple else ()
     return len(dims) == 4 and dims[1] > 1 and dims[2] > 1
-
-
-def _output_ids(comp: Computation) -> set[int]:
-    root = comp.root
-    return {id(root), *(id(o) for o in root.operands)} if root.opcode == "tuple" else {id(root)}
 
 
 def _rewritable(f: Instruction, call: Instruction, users: dict, outputs: set[int]) -> bool:

@@ -69,6 +69,7 @@ from spmd.passes.attention_layout import attention_operand_layouts
 from spmd.passes.cse import cse_computation
 from spmd.passes.folding import folded_instructions
 from spmd.passes.fuse_update_slice import UpdateSiblings, dus_sibling_fuses, grown_operands, is_update_root
+from spmd.passes.simplify import output_ids
 
 #: ``random`` (spmd.ir.random) is int64 arithmetic that wraps modulo 2**64; Inductor's generated
 #: kernel gives the same bits as the op-by-op kernels (tests/runtime/test_random_fusion.py).
@@ -172,7 +173,7 @@ def absorb_transposes(module: Module, builder: Builder, comp: Computation) -> in
     merges the transposed dims (the [B, H, S, D] -> [B*S, H*D] of attention's dq / dk after the
     rotary backward), read it as a view instead of a copy. Output values are left alone.
     """
-    users, outputs = comp.users(), _output_ids(comp)
+    users, outputs = comp.users(), output_ids(comp)
     done = 0
     for t in list(comp.instructions):
         f = t.operands[0] if t.opcode == "transpose" else None
@@ -206,11 +207,6 @@ def absorb_user(module: Module, builder: Builder, comp: Computation, f: Instruct
     comp.replace_all_uses(t, new)
     comp.instructions = [i for i in comp.instructions if i is not t and i is not f]
     return new
-
-
-def _output_ids(comp: Computation) -> set[int]:
-    root = comp.root
-    return {id(root), *(id(o) for o in root.operands)} if root.opcode == "tuple" else {id(root)}
 
 
 def _drop_unused_computations(module: Module) -> None:
